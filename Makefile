@@ -1,0 +1,39 @@
+# The two commands a fresh clone needs: `make run` (the main job) and `make test`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+SHARED ?= ../shared
+TRACE ?= $(SHARED)/traces/mooncake/synthetic_trace.jsonl
+
+.PHONY: run test lint venv clean
+
+venv: $(VENV)/.installed
+
+# torch first, pinned to the CPU build that lies on these machines, so pip never pulls a CUDA build.
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[model,dev]'
+	touch $@
+
+# The main job. Until the engine lands it replays the Mooncake trace through the KV cache
+# (a synthetic multi-tenant trace where ../shared is absent).
+run: venv
+	@if [ -f "$(TRACE)" ]; then \
+		$(BIN)/kvserve bench kvcache --trace $(TRACE) --capacity-tokens 1000000 10000000; \
+	else \
+		echo "$(TRACE) not found: replaying the synthetic multi-tenant trace instead"; \
+		$(BIN)/kvserve bench kvcache --trace multi-tenant --capacity-tokens 200000 1000000; \
+	fi
+
+lint: venv
+	$(BIN)/ruff check src tests
+	$(BIN)/lint-imports
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/python -m pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

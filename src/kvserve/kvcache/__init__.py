@@ -1,0 +1,32 @@
+"""kvserve.kvcache — the paged KV cache with prefix caching, in pure Python.
+
+Every block is accounted for: refcounts, epochs, a ledger of holders and an audit that proves the
+books balance (DESIGN.md, "Invariants of the KV cache"). No torch, numpy, asyncio or HTTP.
+"""
+
+from kvserve.kvcache.audit import AuditReport, Violation, ViolationKind
+from kvserve.kvcache.errors import CacheCorruption, UnknownRequest
+from kvserve.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvserve.kvcache.ledger import LedgerEntry
+from kvserve.kvcache.manager import KVCacheManager
+from kvserve.kvcache.stats import KVCacheCounters, KVCacheStats
+from kvserve.kvcache.types import FreeReason, PrefixHit, SlotAllocation
+
+__all__ = [
+    "AllBlocksCleared",
+    "AuditReport",
+    "BlockRemoved",
+    "BlockStored",
+    "CacheCorruption",
+    "FreeReason",
+    "KVCacheCounters",
+    "KVCacheManager",
+    "KVCacheStats",
+    "KVEvent",
+    "LedgerEntry",
+    "PrefixHit",
+    "SlotAllocation",
+    "UnknownRequest",
+    "Violation",
+    "ViolationKind",
+]

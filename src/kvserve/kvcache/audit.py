@@ -1,0 +1,193 @@
+"""The audit: proves the books balance, in O(num_blocks + block-table entries).
+
+Checks every invariant of DESIGN.md that is a property of state (1, 2, 4, 5, 6, 7) and returns a
+structured report naming each culprit: the block, the request, the expected and found values.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from kvserve.kvcache.block_pool import BlockPool
+from kvserve.kvcache.ledger import Ledger
+
+
+class ViolationKind(enum.Enum):
+    FREE_QUEUE_BROKEN = "free_queue_broken"  # links, count or a block queued twice
+    HELD_BLOCK_IN_FREE_QUEUE = "held_block_in_free_queue"
+    LOST_BLOCK = "lost_block"  # refcount 0 but not in the free queue: can never be reused
+    REFCOUNT_MISMATCH = "refcount_mismatch"  # refcount != number of tables listing the block
+    DUPLICATE_IN_TABLE = "duplicate_in_table"  # one block handed out twice to one request
+    HASH_MAP_MISMATCH = "hash_map_mismatch"  # map key and block's hash or tokens disagree
+    STALE_HASH = "stale_hash"  # a block's hash does not describe the content its holder wrote
+    CROSS_TENANT_SHARE = "cross_tenant_share"  # a block computed under one salt held under another
+    EPOCH_MISMATCH = "epoch_mismatch"  # block reassigned under a live table
+    LEAK = "leak"  # blocks held by a request the engine no longer runs
+    HELD_WHILE_IDLE = "held_while_idle"  # no live request, yet blocks are held
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    """One broken invariant, with the evidence."""
+
+    kind: ViolationKind
+    message: str
+    block_id: int | None = None
+    request_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AuditReport:
+    """The audit's findings and the block census it was based on."""
+
+    num_blocks: int
+    num_free_uncached: int
+    num_free_cached: int
+    num_held: int
+    num_live_requests: int
+    violations: tuple[Violation, ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def kinds(self) -> set[ViolationKind]:
+        return {v.kind for v in self.violations}
+
+    def describe(self) -> str:
+        head = (
+            f"audit: {self.num_held} held, {self.num_free_cached} free-cached, "
+            f"{self.num_free_uncached} free-uncached of {self.num_blocks} blocks; "
+            f"{self.num_live_requests} live requests"
+        )
+        lines = [head] + [f"  {v.kind.value}: {v.message}" for v in self.violations]
+        return "\n".join(lines if self.violations else [head + "; ok"])
+
+
+MAX_VIOLATIONS = 100  # a broken pool can break everywhere; the first hundred name the cause
+
+
+def run_audit(
+    pool: BlockPool, ledger: Ledger, live_request_ids: Collection[str] | None = None
+) -> AuditReport:
+    """Audit `pool` against `ledger`. Never mutates either."""
+    out: list[Violation] = []
+
+    def fail(
+        kind: ViolationKind, msg: str, block: int | None = None, req: str | None = None
+    ) -> None:
+        if len(out) < MAX_VIOLATIONS:
+            out.append(Violation(kind, msg, block, req))
+
+    # 1. The free queue: sound links, the right count, each block once, only free blocks.
+    in_queue = bytearray(pool.num_blocks)
+    seen = 0
+    prev = pool.free_queue.head_sentinel
+    for block in pool.free_queue:
+        seen += 1
+        if block.prev_free is not prev:
+            fail(ViolationKind.FREE_QUEUE_BROKEN, f"block {block.block_id} has a bad back-link",
+                 block.block_id)
+        if in_queue[block.block_id]:
+            fail(ViolationKind.FREE_QUEUE_BROKEN, f"block {block.block_id} is queued twice",
+                 block.block_id)
+            break
+        in_queue[block.block_id] = 1
+        if block.ref_cnt != 0:
+            fail(ViolationKind.HELD_BLOCK_IN_FREE_QUEUE,
+                 f"block {block.block_id} has refcount {block.ref_cnt} but is in the free queue",
+                 block.block_id)
+        prev = block
+    if seen != pool.free_queue.num_free_blocks:
+        fail(ViolationKind.FREE_QUEUE_BROKEN,
+             f"free queue links {seen} blocks but counts {pool.free_queue.num_free_blocks}")
+
+    # 2. Refcounts equal the number of block tables listing each block.
+    holders: list[list[str]] = [[] for _ in range(pool.num_blocks)]
+    for record in ledger:
+        ids = record.block_ids
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            fail(ViolationKind.DUPLICATE_IN_TABLE,
+                 f"request {record.request_id!r} lists block {dup} twice", dup, record.request_id)
+        for block_id in ids:
+            holders[block_id].append(record.request_id)
+    census = {"free_uncached": 0, "free_cached": 0, "held": 0}
+    for block in pool.blocks:
+        bid = block.block_id
+        if block.ref_cnt == 0:
+            census["free_cached" if block.block_hash is not None else "free_uncached"] += 1
+            if not in_queue[bid]:
+                fail(ViolationKind.LOST_BLOCK, f"block {bid} is free but not in the free queue",
+                     bid)
+        else:
+            census["held"] += 1
+        if block.ref_cnt != len(holders[bid]):
+            fail(ViolationKind.REFCOUNT_MISMATCH,
+                 f"block {bid} has refcount {block.ref_cnt} but {len(holders[bid])} holders "
+                 f"{holders[bid][:5]}", bid, holders[bid][0] if holders[bid] else None)
+
+    # 4. The hash map points only at blocks that carry that hash and its tokens.
+    for key, block in pool.cached.items():
+        if block.block_hash != key or block.token_bytes is None:
+            fail(ViolationKind.HASH_MAP_MISMATCH,
+                 f"hash {key.hex()[:12]} maps to block {block.block_id} whose hash is "
+                 f"{block.block_hash.hex()[:12] if block.block_hash else None}", block.block_id)
+    for block in pool.blocks:
+        if block.block_hash is not None and pool.cached.get(block.block_hash) is not block:
+            fail(ViolationKind.HASH_MAP_MISMATCH,
+                 f"block {block.block_id} carries hash {block.block_hash.hex()[:12]} that the map "
+                 "does not give to it", block.block_id)
+
+    # 4-6. Each held block describes what its holder wrote, under its holder's salt and epoch.
+    bs = pool.block_size
+    for record in ledger:
+        rid = record.request_id
+        num_full = record.num_computed_tokens // bs
+        for idx, (block, epoch) in enumerate(
+            zip(record.block_table, record.block_epochs, strict=True)
+        ):
+            bid = block.block_id
+            if block.epoch != epoch:
+                fail(ViolationKind.EPOCH_MISMATCH,
+                     f"request {rid!r} saw block {bid} at epoch {epoch}, now {block.epoch}",
+                     bid, rid)
+            if block.block_hash is None:
+                continue
+            expected = record.block_hashes[idx] if idx < min(num_full, len(record.block_hashes)) \
+                else None
+            if expected != block.block_hash:
+                fail(ViolationKind.STALE_HASH,
+                     f"block {bid} (position {idx} of request {rid!r}) carries hash "
+                     f"{block.block_hash.hex()[:12]} but holds "
+                     f"{'uncommitted tokens' if expected is None else 'other content'}", bid, rid)
+            elif block.salt != record.salt:
+                fail(ViolationKind.CROSS_TENANT_SHARE,
+                     f"block {bid} was computed under salt {block.salt!r} but request {rid!r} "
+                     f"reads it under salt {record.salt!r}", bid, rid)
+
+    # 7. Leaks: the engine's live set is the truth; any other holder is a leak.
+    if live_request_ids is not None:
+        live = set(live_request_ids)
+        for record in ledger:
+            if record.request_id not in live:
+                fail(ViolationKind.LEAK,
+                     f"request {record.request_id!r} is not live but holds "
+                     f"{len(record.block_table)} blocks {record.block_ids[:8]}",
+                     record.block_ids[0] if record.block_table else None, record.request_id)
+        if not live and census["held"]:
+            held = [b.block_id for b in pool.blocks if b.ref_cnt > 0]
+            fail(ViolationKind.HELD_WHILE_IDLE,
+                 f"no request is live but {census['held']} blocks are held: {held[:8]}",
+                 held[0])
+
+    return AuditReport(
+        num_blocks=pool.num_blocks,
+        num_free_uncached=census["free_uncached"],
+        num_free_cached=census["free_cached"],
+        num_held=census["held"],
+        num_live_requests=len(ledger),
+        violations=tuple(out),
+    )

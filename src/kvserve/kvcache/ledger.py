@@ -1,0 +1,98 @@
+"""The ledger: every live request the cache serves, with the blocks it holds.
+
+The ledger is the source of truth for "who holds what". A block's refcount must equal the number
+of block tables in the ledger that list it; the audit checks exactly that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kvserve.kvcache.block import KVBlock
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request's view of the cache.
+
+    `block_table[i]` holds tokens `[i*block_size, (i+1)*block_size)`; `block_epochs[i]` is the
+    epoch that block had when this request took it. `block_hashes[i]` (computed lazily) is the
+    chained hash of the i-th full block of `token_ids`; `num_computed_tokens` tokens have their KV
+    written and committed.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    salt: str | None
+    root_extra: bytes  # encoded extra keys of the first block (model, adapter, salt)
+    created_at: float
+    last_active: float
+    block_table: list[KVBlock] = field(default_factory=list)
+    block_epochs: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    block_token_bytes: list[bytes] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # served from the prefix cache at admission
+
+    @property
+    def block_ids(self) -> list[int]:
+        return [block.block_id for block in self.block_table]
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """A read-only summary of one live request, for /debug/kv and the doctor."""
+
+    request_id: str
+    num_blocks: int
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    num_computed_tokens: int
+    age_s: float
+    idle_s: float
+
+
+class Ledger:
+    """Live request records by id. Insertion order is admission order (oldest first)."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, RequestRecord] = {}
+
+    def add(self, record: RequestRecord) -> None:
+        if record.request_id in self._records:
+            raise ValueError(
+                f"request {record.request_id!r} is already in the cache; free it first or use a "
+                "unique request id"
+            )
+        self._records[record.request_id] = record
+
+    def get(self, request_id: str) -> RequestRecord | None:
+        return self._records.get(request_id)
+
+    def pop(self, request_id: str) -> RequestRecord | None:
+        return self._records.pop(request_id, None)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._records
+
+    def __iter__(self) -> Iterator[RequestRecord]:
+        return iter(list(self._records.values()))
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def summary(self, now: float) -> list[LedgerEntry]:
+        """Every live request, oldest first."""
+        return [
+            LedgerEntry(
+                request_id=r.request_id,
+                num_blocks=len(r.block_table),
+                block_ids=tuple(r.block_ids),
+                num_tokens=len(r.token_ids),
+                num_computed_tokens=r.num_computed_tokens,
+                age_s=now - r.created_at,
+                idle_s=now - r.last_active,
+            )
+            for r in self._records.values()
+        ]
