@@ -15,6 +15,9 @@ from collections.abc import Sequence
 ROOT_HASH = b"\x00" * 32
 """Parent of every first block."""
 
+TOKEN_WIDTH = 8
+"""Bytes per encoded token id (signed 64-bit)."""
+
 
 def encode_tokens(token_ids: Sequence[int]) -> bytes:
     """Fixed-width encoding of token ids; also what a cached block keeps for the hit re-check."""

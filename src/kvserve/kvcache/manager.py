@@ -17,7 +17,13 @@ from kvserve.kvcache.block import KVBlock
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.errors import CacheCorruption, UnknownRequest
 from kvserve.kvcache.events import KVEvent
-from kvserve.kvcache.hashing import ROOT_HASH, encode_extra_keys, encode_tokens, hash_block
+from kvserve.kvcache.hashing import (
+    ROOT_HASH,
+    TOKEN_WIDTH,
+    encode_extra_keys,
+    encode_tokens,
+    hash_block,
+)
 from kvserve.kvcache.ledger import Ledger, LedgerEntry, RequestRecord
 from kvserve.kvcache.stats import KVCacheCounters, KVCacheStats
 from kvserve.kvcache.types import FreeReason, PrefixHit, SlotAllocation
@@ -244,11 +250,22 @@ class KVCacheManager:
         """The idle check: with no live request, zero blocks may be held."""
         return self.audit(live_request_ids=())
 
-    def reap(self, idle_timeout_s: float) -> list[str]:
-        """Free every request idle for longer than `idle_timeout_s` (nobody freed it: a leak).
-        Counts the requests and blocks reclaimed; returns the reaped request ids."""
+    def reap(
+        self,
+        idle_timeout_s: float | None = None,
+        live_request_ids: Collection[str] | None = None,
+    ) -> list[str]:
+        """Free what nobody will free: requests not in `live_request_ids` (the engine's view),
+        and requests holding blocks idle for longer than `idle_timeout_s`. Counts the requests
+        and blocks reclaimed; returns the reaped request ids."""
         now = self._clock()
-        reaped = [r for r in self.ledger if now - r.last_active > idle_timeout_s]
+        live = None if live_request_ids is None else set(live_request_ids)
+        reaped = [
+            r for r in self.ledger
+            if (live is not None and r.request_id not in live)
+            or (idle_timeout_s is not None and r.block_table
+                and now - r.last_active > idle_timeout_s)
+        ]
         for record in reaped:
             self.counters.reclaimed_blocks += self.free(record.request_id, FreeReason.REAPED)
             self.counters.reaped_requests += 1
@@ -296,10 +313,17 @@ class KVCacheManager:
 
     def _ensure_hashes(self, record: RequestRecord, num_full_blocks: int) -> None:
         """Extend the request's chained block hashes to cover `num_full_blocks` full blocks."""
-        bs = self.block_size
         hashes, token_bytes = record.block_hashes, record.block_token_bytes
-        for idx in range(len(hashes), num_full_blocks):
-            tb = encode_tokens(record.token_ids[idx * bs : (idx + 1) * bs])
-            parent = hashes[idx - 1] if idx else ROOT_HASH
-            hashes.append(hash_block(parent, tb, b"" if idx else record.root_extra))
+        first = len(hashes)
+        if first >= num_full_blocks:
+            return
+        # One encoding for all new blocks, sliced per block: far cheaper than one per block.
+        bs = self.block_size
+        width = bs * TOKEN_WIDTH
+        raw = encode_tokens(record.token_ids[first * bs : num_full_blocks * bs])
+        parent = hashes[-1] if hashes else ROOT_HASH
+        for k, idx in enumerate(range(first, num_full_blocks)):
+            tb = raw[k * width : (k + 1) * width]
+            parent = hash_block(parent, tb, b"" if idx else record.root_extra)
+            hashes.append(parent)
             token_bytes.append(tb)

@@ -1,0 +1,27 @@
+"""kvserve.engine — requests, sampling parameters, the scheduler and the engine step, in pure
+Python (imports kvserve.kvcache only; no torch, numpy or HTTP)."""
+
+from kvserve.engine.config import SchedulerConfig
+from kvserve.engine.core import EngineCore, ModelExecutor, RequestDelta, SampledToken
+from kvserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
+from kvserve.engine.request import FinishReason, Request, RequestStatus, TokenLogprob
+from kvserve.engine.sampling_params import SamplingParams
+from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+
+__all__ = [
+    "EngineCore",
+    "FinishReason",
+    "IncrementalDetokenizer",
+    "ModelExecutor",
+    "Request",
+    "RequestDelta",
+    "RequestStatus",
+    "SampledToken",
+    "SamplingParams",
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "TokenDecoder",
+    "TokenLogprob",
+]

@@ -1,0 +1,27 @@
+"""Engine sizing, with vLLM's names so users' knowledge carries over."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits the scheduler keeps every step.
+
+    `max_num_batched_tokens` is the token budget of one step (prefill chunks and decodes share
+    it); `max_num_seqs` caps running requests; `max_model_len` caps prompt + output.
+    `audit_interval_steps > 0` runs the full cache audit every that many steps.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+    audit_interval_steps: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.audit_interval_steps < 0:
+            raise ValueError("audit_interval_steps must be >= 0 (0 turns the periodic audit off)")

@@ -1,0 +1,154 @@
+"""EngineCore: one step = schedule → execute the model → apply the sampled tokens.
+
+Pure Python: the model is behind the `ModelExecutor` protocol (the runtime plugs the torch runner
+in; tests can plug in a deterministic toy model). Not thread-safe: the runtime's step loop owns it
+and applies cross-thread aborts between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
+from kvserve.engine.request import FinishReason, Request, TokenLogprob
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.kvcache import AuditReport
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """The model's choice for one request this step."""
+
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+class ModelExecutor(Protocol):
+    """Runs one scheduled step; returns a sampled token for every item with `sample` True."""
+
+    def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RequestDelta:
+    """What one request produced in one step; the last delta of a request has `finished`."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    new_logprobs: tuple[TokenLogprob, ...]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+
+
+class EngineCore:
+    """Owns the scheduler and each request's detokenizer; turns model output into deltas."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: ModelExecutor,
+        decoder: TokenDecoder | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_audit: Callable[[AuditReport], None] | None = None,
+    ) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.decoder = decoder
+        self.clock = clock
+        self.on_audit = on_audit
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._pending: dict[str, RequestDelta] = {}  # deltas of requests ended between steps
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises ValueError (nothing queued) if it can never run."""
+        self.scheduler.add_request(request)
+        if self.decoder is not None:
+            params = request.sampling_params
+            self._detokenizers[request.request_id] = IncrementalDetokenizer(
+                self.decoder, request.prompt_token_ids, params.stop,
+                params.include_stop_str_in_output, params.skip_special_tokens,
+            )
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """End requests now; their final deltas come out of the next `step`."""
+        for request in self.scheduler.abort(request_ids):
+            self._pending[request.request_id] = self._final_delta(request, (), (), "")
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished or bool(self._pending)
+
+    def step(self) -> list[RequestDelta]:
+        """Run one step; returns the deltas of every request that produced or ended."""
+        deltas = list(self._pending.values())
+        self._pending.clear()
+        out = self.scheduler.schedule(self.clock())
+        for request in out.finished:
+            deltas.append(self._final_delta(request, (), (), ""))
+        if not out.is_empty:
+            sampled = self.executor.execute(out)
+            now = self.clock()
+            for request in self.scheduler.commit_step(out):
+                deltas.append(self._apply(request, sampled[request.request_id], now))
+        self._check_integrity()
+        return deltas
+
+    def _apply(self, request: Request, token: SampledToken, now: float) -> RequestDelta:
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.append_output_token(token.token_id, token.logprob)
+        self.scheduler.append_token(request, token.token_id)
+        detok = self._detokenizers.get(request.request_id)
+        text = detok.add_token(token.token_id) if detok is not None else ""
+        reason = self._stop_reason(request, detok)
+        new_logprobs = (token.logprob,) if token.logprob is not None else ()
+        if reason is None:
+            return RequestDelta(request.request_id, (token.token_id,), text, new_logprobs, False,
+                                None, request.num_prompt_tokens, request.num_cached_tokens)
+        self.scheduler.finish(request, reason)
+        return self._final_delta(request, (token.token_id,), new_logprobs, text)
+
+    def _stop_reason(
+        self, request: Request, detok: IncrementalDetokenizer | None
+    ) -> FinishReason | None:
+        params = request.sampling_params
+        num_out = len(request.output_token_ids)
+        last = request.output_token_ids[-1]
+        if detok is not None and detok.stopped:
+            return FinishReason.STOP
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and last in request.eos_token_ids:
+                return FinishReason.STOP
+            if last in params.stop_token_ids:
+                return FinishReason.STOP
+        if params.max_tokens is not None and num_out >= params.max_tokens:
+            return FinishReason.LENGTH
+        if request.num_tokens >= self.scheduler.max_seq_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _final_delta(
+        self,
+        request: Request,
+        token_ids: tuple[int, ...],
+        logprobs: tuple[TokenLogprob, ...],
+        text: str,
+    ) -> RequestDelta:
+        detok = self._detokenizers.pop(request.request_id, None)
+        if detok is not None:
+            text += detok.flush()
+        return RequestDelta(request.request_id, token_ids, text, logprobs, True,
+                            request.finish_reason, request.num_prompt_tokens,
+                            max(request.num_cached_tokens, 0), request.error)
+
+    def _check_integrity(self) -> None:
+        report = self.scheduler.check_integrity()
+        if report is not None and self.on_audit is not None:
+            self.on_audit(report)

@@ -1,0 +1,270 @@
+"""The scheduler: which requests run this step, and how many tokens each computes.
+
+There are no prefill and decode phases: each request's `num_computed_tokens` catches up with its
+`num_tokens` under one token budget per step. Running requests go first (oldest first), then
+waiting ones in arrival order. When blocks run out, the most recently admitted running request is
+preempted (its blocks freed, its KV recomputed later; its cached prefix blocks stay hit-able).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvserve.engine.config import SchedulerConfig
+from kvserve.engine.request import FinishReason, Request, RequestStatus
+from kvserve.kvcache import AuditReport, CacheCorruption, FreeReason, KVCacheManager
+
+_FREE_REASONS = {
+    FinishReason.STOP: FreeReason.FINISHED,
+    FinishReason.LENGTH: FreeReason.FINISHED,
+    FinishReason.ABORT: FreeReason.ABORTED,
+    FinishReason.TIMEOUT: FreeReason.TIMEOUT,
+    FinishReason.ERROR: FreeReason.ERROR,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request's share of a step: compute tokens `[start, start + num_new_tokens)`.
+
+    `block_table` lists the physical blocks holding the request's whole context. `sample` is
+    True when this chunk reaches the end of the request's tokens, so its last logits are used.
+    """
+
+    request: Request
+    start: int
+    num_new_tokens: int
+    block_table: tuple[int, ...]
+
+    @property
+    def sample(self) -> bool:
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What one step computes, plus the requests that ended while scheduling it."""
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # timeouts, corruption, too long
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Continuous batching over a `KVCacheManager`. Single-threaded: the step loop owns it."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0
+        self._was_idle = True
+
+    # -- admission ------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request. A prompt that can never run is refused here, never left to hang."""
+        limit = self.max_seq_len
+        if request.num_prompt_tokens >= limit:
+            raise ValueError(
+                f"prompt of {request.num_prompt_tokens} tokens is too long: the limit is "
+                f"{limit - 1} (max_model_len {self.config.max_model_len}, KV cache "
+                f"{self.kv_cache.pool.num_blocks * self.kv_cache.block_size} tokens); shorten it"
+            )
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence that can run: the model's limit, or the whole cache if smaller
+        (a lone request that fits the cache always makes progress)."""
+        return min(self.config.max_model_len,
+                   self.kv_cache.pool.num_blocks * self.kv_cache.block_size)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def live_request_ids(self) -> set[str]:
+        return set(self.requests)
+
+    # -- one step -------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Pick this step's work. Every scheduled request's blocks are verified first."""
+        # Invariant: the step's tokens never exceed the budget, and every request either runs
+        # with all the slots it needs or does not run at all.
+        out = SchedulerOutput()
+        self._expire(now, out)
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+
+        idx = 0
+        while idx < len(self.running) and budget > 0:
+            request = self.running[idx]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, out):
+                break  # the request itself was preempted: everything after it already was
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            idx += 1
+
+        prefilling_groups = {r.group_id for r in self.running if r.group_id and r.is_prefilling}
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and not out.preempted:
+            if len(self.running) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            if request.group_id is not None and request.group_id in prefilling_groups:
+                # A sibling is computing the shared prompt; wait and hit its blocks instead.
+                skipped.append(self.waiting.popleft())
+                continue
+            kv = self.kv_cache
+            if not kv.has_request(request.request_id):
+                kv.add_request(request.request_id, request.all_token_ids,
+                               cache_salt=request.cache_salt)
+            hit = kv.lookup(request.request_id)
+            num_new = min(request.num_tokens - hit.num_tokens, budget)
+            if kv.allocate_slots(request.request_id, num_new, hit) is None:
+                break  # first come, first served: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = hit.num_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = hit.num_tokens
+            self.running.append(request)
+            if request.group_id is not None:
+                prefilling_groups.add(request.group_id)
+            scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+
+        out.scheduled = self._verified(scheduled, out)
+        self.num_steps += 1
+        return out
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Allocate slots for a running request, preempting the newest runners until it fits.
+        Returns False if `request` itself had to be preempted."""
+        while self.kv_cache.allocate_slots(request.request_id, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id, FreeReason.PREEMPTED)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        table = tuple(self.kv_cache.block_table(request.request_id))
+        return ScheduledRequest(request, request.num_computed_tokens, num_new, table)
+
+    def _verified(
+        self, scheduled: list[ScheduledRequest], out: SchedulerOutput
+    ) -> list[ScheduledRequest]:
+        kept = []
+        for item in scheduled:
+            try:
+                self.kv_cache.verify(item.request.request_id)
+            except CacheCorruption as exc:
+                self.finish(item.request, FinishReason.ERROR, error=str(exc))
+                out.finished.append(item.request)
+                continue
+            kept.append(item)
+        return kept
+
+    def _expire(self, now: float, out: SchedulerOutput) -> None:
+        expired = [r for r in (*self.running, *self.waiting)
+                   if r.deadline is not None and now >= r.deadline]
+        for request in expired:
+            self.finish(request, FinishReason.TIMEOUT)
+            out.finished.append(request)
+
+    # -- after the model ran --------------------------------------------------------------
+
+    def commit_step(self, output: SchedulerOutput) -> list[Request]:
+        """Record that the step's KV was written. Returns the requests that now need their
+        sampled token appended (their computed tokens reached the end of their sequence)."""
+        ready = []
+        for item in output.scheduled:
+            request = item.request
+            if request.is_finished:
+                continue  # aborted while the step ran; its blocks are already free
+            request.num_computed_tokens = item.start + item.num_new_tokens
+            self.kv_cache.commit(request.request_id, request.num_computed_tokens)
+            if item.sample:
+                ready.append(request)
+        return ready
+
+    def append_token(self, request: Request, token_id: int) -> None:
+        """Append a sampled token to a running request (its KV is computed next step)."""
+        self.kv_cache.append_token_ids(request.request_id, [token_id])
+
+    def finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        """End a request for any reason: the one path that frees its blocks. Idempotent."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        request.error = error
+        self.requests.pop(request.request_id, None)
+        self.kv_cache.free(request.request_id, _FREE_REASONS[reason])
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Abort requests by id (unknown or finished ones are ignored); returns those ended."""
+        ended = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self.finish(request, FinishReason.ABORT)
+                ended.append(request)
+        return ended
+
+    # -- integrity ------------------------------------------------------------------------
+
+    def check_integrity(self) -> AuditReport | None:
+        """The idle check when the engine just drained, the full audit every
+        `audit_interval_steps` steps; None when neither was due. Blocks held by requests the
+        scheduler no longer knows are reclaimed (and counted) after a failed check."""
+        idle = not self.has_unfinished
+        interval = self.config.audit_interval_steps
+        report = None
+        if idle and not self._was_idle:
+            report = self.kv_cache.check_idle()
+        elif not idle and interval and self.num_steps % interval == 0:
+            report = self.kv_cache.audit(self.live_request_ids)
+        self._was_idle = idle
+        if report is not None and not report.ok:
+            self.kv_cache.reap(live_request_ids=self.live_request_ids)
+        return report

@@ -1,0 +1,69 @@
+"""A toy model over paged memory, for exact tests of the scheduler/cache seam without torch.
+
+Its "KV" for a token is (token id, position), written to the slot the block table names. The
+next token is a function of the context *read back through the block table*, so a block shared,
+evicted or reassigned wrongly changes the output, exactly as it would corrupt a real model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvserve.engine import SampledToken, SchedulerOutput
+
+VOCAB = 50
+
+
+def next_token(context: Sequence[int]) -> int:
+    """The toy model's greedy choice given the whole context."""
+    tail = context[-8:]
+    return (sum((i + 3) * t for i, t in enumerate(tail)) + 7 * len(context)) % VOCAB
+
+
+def reference_generate(prompt: Sequence[int], max_tokens: int, eos: int | None = None) -> list[int]:
+    """What any correct engine must produce: no cache, no batching."""
+    tokens, out = list(prompt), []
+    for _ in range(max_tokens):
+        tok = next_token(tokens)
+        out.append(tok)
+        tokens.append(tok)
+        if tok == eos:
+            break
+    return out
+
+
+class PagedToyModel:
+    """Implements `ModelExecutor` over `num_blocks * block_size` slots."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
+        self.num_steps = 0
+        self.tokens_computed = 0
+
+    def slot(self, block_table: Sequence[int], position: int) -> int:
+        bs = self.block_size
+        return block_table[position // bs] * bs + position % bs
+
+    def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
+        self.num_steps += 1
+        sampled = {}
+        for item in output.scheduled:
+            for j, token in enumerate(item.token_ids):
+                self.slots[self.slot(item.block_table, item.start + j)] = (token, item.start + j)
+            self.tokens_computed += item.num_new_tokens
+            if item.sample:
+                context = []
+                for pos in range(item.start + item.num_new_tokens):
+                    entry = self.slots[self.slot(item.block_table, pos)]
+                    assert entry is not None and entry[1] == pos, f"bad KV at position {pos}"
+                    context.append(entry[0])
+                sampled[item.request.request_id] = SampledToken(next_token(context))
+        return sampled
+
+
+class CharDecoder:
+    """Token id t decodes to chr(ord('a') + t % 26); ids >= 26 are upper case."""
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr((ord("a") if t < 26 else ord("A")) + t % 26) for t in token_ids)
