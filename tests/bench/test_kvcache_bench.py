@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 
-from tests.conftest import shared_file
-
 from kvserve.bench.kvcache_replay import replay_trace
 from kvserve.cli import main
 from kvserve.workload import TRACE_BLOCK_SIZE, TraceRequest, load_trace
+from tests.conftest import shared_file
 
 
 def test_replay_hit_rate_on_a_known_workload():

@@ -54,3 +54,16 @@ def test_iteration_stops_on_a_corrupted_cycle():
     queue, blocks = make_queue(3)
     blocks[2].next_free = blocks[0]  # a cycle that skips the tail sentinel
     assert len(list(queue)) == queue.num_free_blocks + 1
+
+
+def test_popleft_n_splices_the_head():
+    queue, blocks = make_queue(5)
+    taken = queue.popleft_n(3)
+    assert [b.block_id for b in taken] == [0, 1, 2]
+    assert all(b.prev_free is None and b.next_free is None for b in taken)
+    assert queue.block_ids() == [3, 4] and queue.num_free_blocks == 2
+    assert queue.popleft_n(0) == []
+    queue.append(blocks[0])
+    assert queue.block_ids() == [3, 4, 0]
+    with pytest.raises(AssertionError):
+        queue.popleft_n(4)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from tests.kvcache.conftest import admit, state_of
 
 from kvserve.kvcache import (
     AllBlocksCleared,
@@ -14,6 +13,7 @@ from kvserve.kvcache import (
     KVCacheManager,
     UnknownRequest,
 )
+from tests.kvcache.conftest import admit, state_of
 
 BS = 4
 
@@ -289,3 +289,16 @@ def test_stale_prefix_hit_is_refused():
     m.free("c")
     with pytest.raises(ValueError, match="stale prefix hit"):
         m.allocate_slots("b", 1, hit)
+
+
+def test_chained_hashes_equal_block_by_block_hashing():
+    from kvserve.kvcache.hashing import ROOT_HASH, chain_hashes, encode_tokens, hash_block
+
+    toks = list(range(12))
+    hashes, chunks = chain_hashes(ROOT_HASH, encode_tokens(toks), 4 * 8, b"salt")
+    parent, expected = ROOT_HASH, []
+    for i in range(3):
+        extra = b"salt" if i == 0 else b""
+        parent = hash_block(parent, encode_tokens(toks[4 * i : 4 * i + 4]), extra)
+        expected.append(parent)
+    assert hashes == expected and chunks[1] == encode_tokens(toks[4:8])

@@ -6,7 +6,6 @@ import json
 from itertools import pairwise
 
 import pytest
-from tests.conftest import shared_file
 
 from kvserve.workload import (
     MultiTenantSpec,
@@ -17,6 +16,7 @@ from kvserve.workload import (
     prompt_token_ids,
     write_mooncake_trace,
 )
+from tests.conftest import shared_file
 
 
 def test_token_synthesis_shares_exactly_the_common_id_prefix():

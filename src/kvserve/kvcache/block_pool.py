@@ -74,14 +74,12 @@ class BlockPool:
         """
         if num_blocks > self.free_queue.num_free_blocks:
             return None
-        out: list[KVBlock] = []
-        for _ in range(num_blocks):
-            block = self.free_queue.popleft()
+        out = self.free_queue.popleft_n(num_blocks)
+        for block in out:
             if block.block_hash is not None:
                 self._evict(block)
             block.epoch += 1
             block.ref_cnt = 1
-            out.append(block)
         self.counters.allocated_blocks += num_blocks
         return out
 

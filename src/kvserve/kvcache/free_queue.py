@@ -34,6 +34,23 @@ class FreeBlockQueue:
         self.remove(block)
         return block
 
+    def popleft_n(self, n: int) -> list[KVBlock]:
+        """Take the `n` blocks at the head in one splice. There must be at least `n`."""
+        assert 0 <= n <= self.num_free_blocks, f"popleft_n({n}) with {self.num_free_blocks} free"
+        out: list[KVBlock] = []
+        node = self._head.next_free
+        for _ in range(n):
+            assert node is not None
+            out.append(node)
+            nxt = node.next_free
+            node.prev_free = node.next_free = None
+            node = nxt
+        assert node is not None
+        self._head.next_free = node
+        node.prev_free = self._head
+        self.num_free_blocks -= n
+        return out
+
     def remove(self, block: KVBlock) -> None:
         """Unlink `block`, which must be in the queue."""
         prev, nxt = block.prev_free, block.next_free

@@ -20,9 +20,9 @@ from kvserve.kvcache.events import KVEvent
 from kvserve.kvcache.hashing import (
     ROOT_HASH,
     TOKEN_WIDTH,
+    chain_hashes,
     encode_extra_keys,
     encode_tokens,
-    hash_block,
 )
 from kvserve.kvcache.ledger import Ledger, LedgerEntry, RequestRecord
 from kvserve.kvcache.stats import KVCacheCounters, KVCacheStats
@@ -319,11 +319,11 @@ class KVCacheManager:
             return
         # One encoding for all new blocks, sliced per block: far cheaper than one per block.
         bs = self.block_size
-        width = bs * TOKEN_WIDTH
-        raw = encode_tokens(record.token_ids[first * bs : num_full_blocks * bs])
-        parent = hashes[-1] if hashes else ROOT_HASH
-        for k, idx in enumerate(range(first, num_full_blocks)):
-            tb = raw[k * width : (k + 1) * width]
-            parent = hash_block(parent, tb, b"" if idx else record.root_extra)
-            hashes.append(parent)
-            token_bytes.append(tb)
+        new_hashes, new_bytes = chain_hashes(
+            hashes[-1] if hashes else ROOT_HASH,
+            encode_tokens(record.token_ids[first * bs : num_full_blocks * bs]),
+            bs * TOKEN_WIDTH,
+            None if hashes else record.root_extra,
+        )
+        hashes.extend(new_hashes)
+        token_bytes.extend(new_bytes)
