@@ -96,9 +96,7 @@ def test_allocation_failure_changes_nothing():
     assert hit.num_tokens == 8
     before = state_of(m)
     assert m.allocate_slots("c", 9, hit) is None
-    after = state_of(m)
-    assert after[:4] == before[:4] and after[5] == before[5]
-    assert m.counters.failed_allocations == 1
+    assert state_of(m) == before
     assert m.audit(live_request_ids={"b", "c"}).ok
 
 

@@ -1,6 +1,6 @@
 """The audit: proves the books balance, in O(num_blocks + block-table entries).
 
-Checks every invariant of DESIGN.md that is a property of state (1, 2, 4, 5, 6, 7) and returns a
+Checks every invariant of DESIGN.md that is a property of state (1, 2, 4-8) and returns a
 structured report naming each culprit: the block, the request, the expected and found values.
 """
 
@@ -24,6 +24,8 @@ class ViolationKind(enum.Enum):
     STALE_HASH = "stale_hash"  # a block's hash does not describe the content its holder wrote
     CROSS_TENANT_SHARE = "cross_tenant_share"  # a block computed under one salt held under another
     EPOCH_MISMATCH = "epoch_mismatch"  # block reassigned under a live table
+    UNCACHED_SHARE = "uncached_share"  # several tables list a block that caches nothing
+    ORPHAN_BLOCK = "orphan_block"  # a cached block whose parent was evicted (invariant 8)
     LEAK = "leak"  # blocks held by a request the engine no longer runs
     HELD_WHILE_IDLE = "held_while_idle"  # no live request, yet blocks are held
 
@@ -125,9 +127,14 @@ def run_audit(
         else:
             census["held"] += 1
         if block.ref_cnt != len(holders[bid]):
+            culprit = holders[bid][0] if holders[bid] else block.last_owner
             fail(ViolationKind.REFCOUNT_MISMATCH,
                  f"block {bid} has refcount {block.ref_cnt} but {len(holders[bid])} holders "
-                 f"{holders[bid][:5]}", bid, holders[bid][0] if holders[bid] else None)
+                 f"{holders[bid][:5]} (last taken by request {block.last_owner!r})", bid, culprit)
+        if len(holders[bid]) > 1 and block.block_hash is None:
+            fail(ViolationKind.UNCACHED_SHARE,
+                 f"block {bid} is shared by {holders[bid][:5]} but caches no content: only a "
+                 "prefix hit may share a block", bid, holders[bid][-1])
 
     # 4. The hash map points only at blocks that carry that hash and its tokens.
     for key, block in pool.cached.items():
@@ -135,6 +142,17 @@ def run_audit(
             fail(ViolationKind.HASH_MAP_MISMATCH,
                  f"hash {key.hex()[:12]} maps to block {block.block_id} whose hash is "
                  f"{block.block_hash.hex()[:12] if block.block_hash else None}", block.block_id)
+        elif block.cached_epoch != block.epoch and block.ref_cnt == 0:
+            fail(ViolationKind.STALE_HASH,
+                 f"free block {block.block_id} is hit-able under a hash set at epoch "
+                 f"{block.cached_epoch}, but it was handed on since (epoch {block.epoch})",
+                 block.block_id, block.last_owner)
+    # 8. A surviving prefix is a contiguous head: no cached block outlives its parent.
+    for block in pool.cached.values():
+        if block.parent_hash is not None and block.parent_hash not in pool.cached:
+            fail(ViolationKind.ORPHAN_BLOCK,
+                 f"block {block.block_id} is cached but its parent {block.parent_hash.hex()[:12]} "
+                 "was evicted: it can never be hit again", block.block_id, block.last_owner)
     for block in pool.blocks:
         if block.block_hash is not None and pool.cached.get(block.block_hash) is not block:
             fail(ViolationKind.HASH_MAP_MISMATCH,
@@ -156,9 +174,13 @@ def run_audit(
                      bid, rid)
             if block.block_hash is None:
                 continue
-            expected = record.block_hashes[idx] if idx < min(num_full, len(record.block_hashes)) \
-                else None
-            if expected != block.block_hash:
+            committed = idx < min(num_full, len(record.block_hashes))
+            expected = record.block_hashes[idx] if committed else None
+            if block.cached_epoch != block.epoch:
+                fail(ViolationKind.STALE_HASH,
+                     f"block {bid} keeps the hash it was cached under at epoch "
+                     f"{block.cached_epoch} but was handed on (epoch {block.epoch})", bid, rid)
+            elif expected != block.block_hash:
                 fail(ViolationKind.STALE_HASH,
                      f"block {bid} (position {idx} of request {rid!r}) carries hash "
                      f"{block.block_hash.hex()[:12]} but holds "
@@ -178,7 +200,7 @@ def run_audit(
                      f"{len(record.block_table)} blocks {record.block_ids[:8]}",
                      record.block_ids[0] if record.block_table else None, record.request_id)
         if not live and census["held"]:
-            held = [b.block_id for b in pool.blocks if b.ref_cnt > 0]
+            held = [b.block_id for b in pool.blocks if b.ref_cnt != 0]
             fail(ViolationKind.HELD_WHILE_IDLE,
                  f"no request is live but {census['held']} blocks are held: {held[:8]}",
                  held[0])

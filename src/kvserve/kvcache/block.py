@@ -15,8 +15,10 @@ class KVBlock:
     __slots__ = (
         "block_hash",
         "block_id",
+        "cached_epoch",
         "checksum",
         "epoch",
+        "last_owner",
         "next_free",
         "parent_hash",
         "prev_free",
@@ -34,6 +36,8 @@ class KVBlock:
         self.parent_hash: bytes | None = None
         self.token_bytes: bytes | None = None  # the tokens the hash covers, for the hit re-check
         self.salt: str | None = None  # tenant whose request computed this content
+        self.cached_epoch = -1  # the epoch at which the content key was set
+        self.last_owner: str | None = None  # the request that most recently took a reference
         self.checksum: int | None = None  # optional content checksum fed by the model layer
         # Intrusive links of the free queue; both None while the block is held.
         self.prev_free: KVBlock | None = None
@@ -50,6 +54,7 @@ class KVBlock:
         self.token_bytes = None
         self.salt = None
         self.checksum = None
+        self.cached_epoch = -1
 
     def __repr__(self) -> str:
         cached = self.block_hash.hex()[:8] if self.block_hash else None

@@ -48,25 +48,30 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: bytes, token_bytes: bytes) -> KVBlock | None:
         """The block caching exactly these tokens under this hash, or None. Read-only, except
-        that a hash match whose tokens differ (a collision) is counted and refused."""
+        that a refused match is counted: tokens that differ (a hash collision), or a block handed
+        to new content since it was cached (an eviction that left its key behind: corruption)."""
         block = self.cached.get(block_hash)
         if block is None:
             return None
         if block.token_bytes != token_bytes:
             self.counters.hash_collisions += 1
             return None
+        if block.epoch != block.cached_epoch or block.block_hash != block_hash:
+            self.counters.corruption_detections += 1
+            return None
         return block
 
-    def touch(self, blocks: Iterable[KVBlock]) -> None:
+    def touch(self, blocks: Iterable[KVBlock], owner: str | None = None) -> None:
         """Take one more reference on each block, pulling free ones out of the free queue."""
         for block in blocks:
+            block.last_owner = owner
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
                 if block.block_hash is not None:
                     self.num_cached_free -= 1
             block.ref_cnt += 1
 
-    def allocate(self, num_blocks: int) -> list[KVBlock] | None:
+    def allocate(self, num_blocks: int, owner: str | None = None) -> list[KVBlock] | None:
         """Hand out `num_blocks` fresh blocks (refcount 1, new epoch, no content key).
 
         Cached blocks taken from the head are evicted (their hash leaves the map). Returns None,
@@ -80,6 +85,7 @@ class BlockPool:
                 self._evict(block)
             block.epoch += 1
             block.ref_cnt = 1
+            block.last_owner = owner
         self.counters.allocated_blocks += num_blocks
         return out
 
@@ -132,6 +138,7 @@ class BlockPool:
         block.parent_hash = parent_hash
         block.token_bytes = token_bytes
         block.salt = salt
+        block.cached_epoch = block.epoch
         self.cached[block_hash] = block
         if self.enable_events:
             self.events.append(

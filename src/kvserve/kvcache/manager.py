@@ -123,7 +123,12 @@ class KVCacheManager:
             if record.block_table:
                 raise ValueError(f"request {request_id!r}: a prefix hit is only taken at admission")
             hit_blocks = [self.pool.blocks[i] for i in prefix_hit.block_ids]
-            if [b.epoch for b in hit_blocks] != list(prefix_hit.epochs):
+            # A hit must still be the very content this request hashed, at the epoch seen.
+            self._ensure_hashes(record, len(hit_blocks))
+            expected = record.block_hashes[: len(hit_blocks)]
+            if [b.epoch for b in hit_blocks] != list(prefix_hit.epochs) or any(
+                b.block_hash != h for b, h in zip(hit_blocks, expected, strict=True)
+            ):
                 raise ValueError(f"request {request_id!r}: stale prefix hit; call lookup again")
         num_computed = record.num_computed_tokens + len(hit_blocks) * self.block_size
         num_tokens = num_computed + num_new_tokens
@@ -136,12 +141,11 @@ class KVCacheManager:
         num_needed = max(num_needed, 0)
         num_reclaimed_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
         if num_needed + num_reclaimed_hits > self.pool.num_free_blocks:
-            self.counters.failed_allocations += 1
             return None
 
         is_admission = not record.block_table
-        self.pool.touch(hit_blocks)
-        new_blocks = self.pool.allocate(num_needed)
+        self.pool.touch(hit_blocks, request_id)
+        new_blocks = self.pool.allocate(num_needed, request_id)
         assert new_blocks is not None, "free count checked above"
         for block in (*hit_blocks, *new_blocks):
             record.block_table.append(block)
@@ -177,17 +181,19 @@ class KVCacheManager:
         bs = self.block_size
         for idx in range(first_new_full, num_full):
             block = record.block_table[idx]
+            block_hash = record.block_hashes[idx]
             if block.block_hash is not None:
-                continue  # a prefix-hit block: already cached under this very hash
+                # A prefix-hit block, already cached under this very hash. Any other hash is a
+                # key left behind by a reuse: counted here, named by the audit, never hit (the
+                # lookup refuses a block whose epoch moved on since it was cached).
+                if block.block_hash != block_hash:
+                    self.counters.corruption_detections += 1
+                continue
             parent = record.block_hashes[idx - 1] if idx else None
-            self.pool.cache_block(
-                block,
-                record.block_hashes[idx],
-                parent,
-                record.token_ids[idx * bs : (idx + 1) * bs],
-                record.block_token_bytes[idx],
-                record.salt,
-            )
+            token_ids = record.token_ids[idx * bs : (idx + 1) * bs]
+            tb = record.block_token_bytes[idx]
+            if not self.pool.cache_block(block, block_hash, parent, token_ids, tb, record.salt):
+                self._adopt_cached_twin(record, idx)
 
     def free(self, request_id: str, reason: FreeReason = FreeReason.FINISHED) -> int:
         """Release everything the request holds; the one path for every ending. Idempotent:
@@ -310,6 +316,17 @@ class KVCacheManager:
         if record is None:
             raise UnknownRequest(f"request {request_id!r} is not in the cache (not added or freed)")
         return record
+
+    def _adopt_cached_twin(self, record: RequestRecord, idx: int) -> None:
+        """Block `idx` duplicates content another block already caches (two requests computed
+        the same prefix at once). Switch the table to the cached twin and release the duplicate,
+        so the request's chain stays one chain and deepest-first release keeps prefixes whole."""
+        twin = self.pool.cached[record.block_hashes[idx]]
+        duplicate = record.block_table[idx]
+        self.pool.touch([twin], record.request_id)
+        record.block_table[idx] = twin
+        record.block_epochs[idx] = twin.epoch
+        self.pool.free([duplicate])
 
     def _ensure_hashes(self, record: RequestRecord, num_full_blocks: int) -> None:
         """Extend the request's chained block hashes to cover `num_full_blocks` full blocks."""

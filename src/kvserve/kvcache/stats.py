@@ -20,7 +20,6 @@ class KVCacheCounters:
     corruption_detections: int = 0
     reclaimed_blocks: int = 0  # freed by the reaper from requests nobody freed
     reaped_requests: int = 0
-    failed_allocations: int = 0
     redundant_frees: int = 0  # free() of a request that was already freed (idempotent no-op)
     audit_runs: int = 0
     audit_failures: int = 0

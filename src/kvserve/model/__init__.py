@@ -1,0 +1,40 @@
+"""kvserve.model: run Hugging Face Llama-family checkpoints over a paged KV cache (torch).
+
+The modules re-exported here import nothing from the rest of kvserve. Import from
+``kvserve.model`` rather than its modules.
+"""
+
+from kvserve.model.attention_metadata import AttentionMetadata, compute_positions
+from kvserve.model.checkpoint import demo_model_config, write_random_checkpoint
+from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from kvserve.model.errors import ModelLoadError
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.loader import LoadedModel, load_model, resolve_model_path
+from kvserve.model.paged_attention import (
+    KVCache,
+    allocate_kv_caches,
+    kv_cache_bytes_per_block,
+    paged_attention,
+)
+from kvserve.model.tokenizer import ChatTemplateError, Tokenizer
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "AttentionMetadata",
+    "ChatTemplateError",
+    "KVCache",
+    "LlamaForCausalLM",
+    "LoadedModel",
+    "ModelConfig",
+    "ModelLoadError",
+    "RopeScaling",
+    "Tokenizer",
+    "allocate_kv_caches",
+    "compute_positions",
+    "demo_model_config",
+    "kv_cache_bytes_per_block",
+    "load_model",
+    "paged_attention",
+    "resolve_model_path",
+    "write_random_checkpoint",
+]

@@ -1,0 +1,149 @@
+"""AttentionMetadata: where one step's tokens sit in their sequences and in the paged KV cache.
+
+Built once per step by the runner (``from_lists`` does it from plain Python lists) and read by
+every layer's attention. Vocabulary follows vLLM: ``query_start_loc``, ``seq_lens``,
+``block_tables``, ``slot_mapping``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """The step's decode sequences (query_len == 1), gathered once and shared by all layers."""
+
+    token_idx: torch.Tensor  # [num_decodes] int64, rows of the flattened batch
+    block_tables: torch.Tensor  # [num_decodes, max_blocks_per_seq] int64, padding clamped to >= 0
+    seq_lens: torch.Tensor  # [num_decodes] int64
+    max_seq_len: int
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """Padded context slots each decode may see (cached per window). [num_decodes, max_len]."""
+        if sliding_window not in self._masks:
+            k_pos = torch.arange(self.max_seq_len, device=self.seq_lens.device)[None, :]
+            mask = k_pos < self.seq_lens[:, None]  # [num_decodes, max_seq_len]
+            if sliding_window is not None:
+                mask &= k_pos > (self.seq_lens[:, None] - 1) - sliding_window
+            self._masks[sliding_window] = mask
+        return self._masks[sliding_window]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step layout of a flattened batch over the paged KV cache.
+
+    Sequence i's new tokens are rows ``query_start_loc[i]:query_start_loc[i+1]``; ``seq_lens[i]``
+    counts its context INCLUDING them; ``block_tables[i]`` lists its blocks in position order
+    (padded, padding never read unmasked); new token t's K/V goes to slot ``slot_mapping[t]``.
+    The ``*_cpu`` copies avoid device syncs; when omitted they are read back once from the tensors.
+    """
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, cumulative query lengths from 0
+    seq_lens: torch.Tensor  # [num_seqs] int32, context length including this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks_per_seq] int32, padded
+    slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset
+    query_start_cpu: tuple[int, ...] = ()  # host copy of query_start_loc
+    seq_lens_cpu: tuple[int, ...] = ()  # host copy of seq_lens
+    prefill_seq_idx: tuple[int, ...] = field(init=False)  # sequences with query_len > 1
+    decode_seq_idx: tuple[int, ...] = field(init=False)  # sequences with query_len == 1
+    _decode: DecodeBatch | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        if not self.query_start_cpu:
+            self.query_start_cpu = tuple(self.query_start_loc.tolist())
+        if not self.seq_lens_cpu:
+            self.seq_lens_cpu = tuple(self.seq_lens.tolist())
+        starts = self.query_start_cpu
+        query_lens = [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
+        self.prefill_seq_idx = tuple(i for i, n in enumerate(query_lens) if n > 1)
+        self.decode_seq_idx = tuple(i for i, n in enumerate(query_lens) if n == 1)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_cpu[-1]
+
+    def decode_batch(self) -> DecodeBatch | None:
+        """The decode sequences as one batch (built on first call), or None if there are none."""
+        if self._decode is None and self.decode_seq_idx:
+            device = self.block_tables.device
+            rows = torch.tensor(self.decode_seq_idx, dtype=torch.int64, device=device)
+            self._decode = DecodeBatch(
+                token_idx=torch.tensor([self.query_start_cpu[i] for i in self.decode_seq_idx],
+                                       dtype=torch.int64, device=device),
+                block_tables=self.block_tables.index_select(0, rows).to(torch.int64).clamp_(min=0),
+                seq_lens=torch.tensor([self.seq_lens_cpu[i] for i in self.decode_seq_idx],
+                                      dtype=torch.int64, device=device),
+                max_seq_len=max(self.seq_lens_cpu[i] for i in self.decode_seq_idx),
+            )
+        return self._decode
+
+    @classmethod
+    def from_lists(cls, query_lens: Sequence[int], seq_lens: Sequence[int],
+                   block_tables: Sequence[Sequence[int]], block_size: int,
+                   device: torch.device | str = "cpu") -> AttentionMetadata:
+        """Build a step from per-sequence lists; slot_mapping is derived from the block tables.
+
+        Raises ValueError when a query is empty or longer than its context, or a block table is
+        too short for its context.
+        """
+        _check_lists(query_lens, seq_lens, block_tables, block_size)
+        positions, seq_of_token = _positions(query_lens, seq_lens)  # [num_tokens] each
+        width = max((len(t) for t in block_tables), default=0) or 1
+        tables = torch.zeros((len(block_tables), width), dtype=torch.int32)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = torch.tensor(table, dtype=torch.int32)
+        block_ids = tables[seq_of_token, positions // block_size].to(torch.int64)  # [num_tokens]
+        slot_mapping = block_ids * block_size + positions % block_size  # [num_tokens]
+        query_start = [0]
+        for n in query_lens:
+            query_start.append(query_start[-1] + n)
+        return cls(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+            block_tables=tables.to(device),
+            slot_mapping=slot_mapping.to(device),
+            query_start_cpu=tuple(query_start),
+            seq_lens_cpu=tuple(seq_lens),
+        )
+
+
+def compute_positions(query_lens: Sequence[int], seq_lens: Sequence[int],
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """Absolute position of every new token: seq_len - query_len + j. Returns [num_tokens] int64."""
+    return _positions(query_lens, seq_lens)[0].to(device)
+
+
+def _positions(query_lens: Sequence[int],
+               seq_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    q_lens = torch.tensor(list(query_lens), dtype=torch.int64)  # [num_seqs]
+    s_lens = torch.tensor(list(seq_lens), dtype=torch.int64)  # [num_seqs]
+    seq_of_token = torch.repeat_interleave(torch.arange(len(q_lens)), q_lens)  # [num_tokens]
+    first_row = torch.cumsum(q_lens, 0) - q_lens  # [num_seqs]
+    offset = torch.arange(int(q_lens.sum())) - first_row[seq_of_token]  # [num_tokens]
+    return (s_lens - q_lens)[seq_of_token] + offset, seq_of_token
+
+
+def _check_lists(query_lens: Sequence[int], seq_lens: Sequence[int],
+                 block_tables: Sequence[Sequence[int]], block_size: int) -> None:
+    if not len(query_lens) == len(seq_lens) == len(block_tables):
+        raise ValueError(f"query_lens ({len(query_lens)}), seq_lens ({len(seq_lens)}) and "
+                         f"block_tables ({len(block_tables)}) must have one entry per sequence")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    for i, (q_len, s_len, table) in enumerate(zip(query_lens, seq_lens, block_tables,
+                                                  strict=True)):
+        if not 1 <= q_len <= s_len:
+            raise ValueError(f"sequence {i}: need 1 <= query_len ({q_len}) <= seq_len ({s_len})")
+        if len(table) * block_size < s_len:
+            raise ValueError(f"sequence {i}: {len(table)} blocks of {block_size} cannot hold "
+                             f"{s_len} tokens")

@@ -1,0 +1,147 @@
+"""One decoder-only model for the Llama family: Llama, Mistral, Qwen2 and Qwen3.
+
+The module tree mirrors Hugging Face's (``model.embed_tokens``, ``model.layers.{i}.self_attn.
+{q,k,v,o}_proj`` [+ ``q_norm``/``k_norm``], ``model.layers.{i}.mlp.{gate,up,down}_proj``,
+``input_layernorm``, ``post_attention_layernorm``, ``model.norm``, ``lm_head``) so checkpoint
+tensors load by name. Unlike HF, the forward pass takes a flattened batch of many sequences and
+reads/writes context through a paged KV cache (see ``paged_attention``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from kvserve.model.attention_metadata import AttentionMetadata
+from kvserve.model.config import ModelConfig
+from kvserve.model.layers import FactoryKwargs, GatedMLP, RMSNorm
+from kvserve.model.paged_attention import KVCache, paged_attention
+from kvserve.model.rotary import RotaryEmbedding, apply_rotary
+
+Device = torch.device | str | None
+
+
+class Attention(nn.Module):
+    """Multi-head (or grouped-query) self-attention with rotary positions over a paged cache."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype | None,
+                 device: Device) -> None:
+        super().__init__()
+        kw: FactoryKwargs = {"dtype": dtype, "device": device}
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.sliding_window = config.sliding_windows[layer_idx]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias, **kw)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias, **kw)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias, **kw)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias, **kw)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **kw)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **kw)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """hidden [num_tokens, hidden]; cos/sin [num_tokens, hd] -> [num_tokens, hidden]."""
+        num_tokens = hidden.shape[0]
+        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, hd]
+        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
+        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache, attn_metadata,
+                              sliding_window=self.sliding_window)  # [T, H, hd]
+        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, -1))  # [T, hidden]
+        return projected
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, *, dtype: torch.dtype | None,
+                 device: Device) -> None:
+        super().__init__()
+        kw: FactoryKwargs = {"dtype": dtype, "device": device}
+        self.self_attn = Attention(config, layer_idx, **kw)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias,
+                            **kw)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """hidden [num_tokens, hidden] -> [num_tokens, hidden]."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache,
+                                         attn_metadata)
+        out: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        return out
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, the decoder layers and the final norm (HF's ``model.`` prefix)."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None,
+                 device: Device) -> None:
+        super().__init__()
+        kw: FactoryKwargs = {"dtype": dtype, "device": device}
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, **kw) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.rotary_emb = RotaryEmbedding(config)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: Sequence[KVCache], attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> final-normed hidden [num_tokens, hidden]."""
+        hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        cos, sin = self.rotary_emb(positions)  # [num_tokens, head_dim] each
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
+        out: torch.Tensor = self.norm(hidden)
+        return out
+
+
+class LlamaForCausalLM(nn.Module):
+    """The causal LM for every supported architecture; the config's switches pick the variant.
+
+    ``forward`` writes this step's K/V into ``kv_caches`` (one per layer) and returns hidden
+    states; ``compute_logits`` projects the rows the caller wants to the vocabulary.
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype | None = None,
+                 device: Device = None) -> None:
+        super().__init__()
+        kw: FactoryKwargs = {"dtype": dtype, "device": device}
+        self.config = config
+        self.model = DecoderModel(config, **kw)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share lm_head's weight with the embeddings when the config ties them (idempotent)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: Sequence[KVCache], attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> hidden_states [num_tokens, hidden_size].
+
+        Writes K/V of every token at ``attn_metadata.slot_mapping`` in each layer's cache.
+        """
+        if len(kv_caches) != self.config.num_hidden_layers:
+            raise ValueError(f"need one KVCache per layer ({self.config.num_hidden_layers}), "
+                             f"got {len(kv_caches)}")
+        hidden: torch.Tensor = self.model(input_ids, positions, kv_caches, attn_metadata)
+        return hidden
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """hidden_states [n, hidden_size] -> logits [n, vocab_size], float32."""
+        logits: torch.Tensor = self.lm_head(hidden_states)  # [n, vocab_size]
+        return logits.float()

@@ -1,0 +1,230 @@
+"""Turn a model argument (local directory or Hugging Face id) into a loaded, ready model.
+
+Resolution never downloads when the argument is an existing path. Weight loading is strict: every
+parameter must come from the checkpoint and every checkpoint tensor must land somewhere (except
+tied ``lm_head.weight`` and legacy ``rotary_emb.inv_freq`` buffers, which are ignored).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from kvserve.model.config import ModelConfig
+from kvserve.model.errors import ModelLoadError
+from kvserve.model.llama import LlamaForCausalLM
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
+_MAX_LISTED = 12
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """A model in eval mode with its weights on ``device`` in ``dtype``, and where it came from."""
+
+    path: Path
+    config: ModelConfig
+    model: LlamaForCausalLM
+    eos_token_ids: tuple[int, ...]  # config.json's ids, then generation_config.json's extras
+    dtype: torch.dtype
+    device: torch.device
+
+
+def load_model(model: str | os.PathLike[str], *, device: torch.device | str = "cpu",
+               dtype: torch.dtype | None = None, revision: str | None = None,
+               cache_dir: str | os.PathLike[str] | None = None,
+               local_files_only: bool = False) -> LoadedModel:
+    """Resolve ``model``, build the network without allocating random weights, load it strictly.
+
+    ``dtype=None`` means the checkpoint's dtype on accelerators and float32 on CPU (bf16/fp16
+    matmuls there are slow or inexact). Raises ``ModelLoadError`` for anything unusable.
+    """
+    path = resolve_model_path(model, revision=revision, cache_dir=cache_dir,
+                              local_files_only=local_files_only)
+    config = ModelConfig.from_file(path / "config.json")
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else config.dtype
+    network = LlamaForCausalLM(config, dtype=dtype, device="meta")
+    network.to_empty(device=device)
+    network.tie_weights()
+    load_weights(network, path)
+    network.eval().requires_grad_(False)
+    return LoadedModel(path=path, config=config, model=network,
+                       eos_token_ids=read_eos_token_ids(path, config), dtype=dtype, device=device)
+
+
+def resolve_model_path(model: str | os.PathLike[str], *, revision: str | None = None,
+                       cache_dir: str | os.PathLike[str] | None = None,
+                       local_files_only: bool = False) -> Path:
+    """A local directory holding config.json: ``model`` itself, or a Hub snapshot of it.
+
+    The Hub is asked only when ``model`` is not an existing path and looks like ``org/name``.
+    """
+    text = os.fspath(model)
+    path = Path(text).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelLoadError(f"{path}: is a file; pass the model directory that holds "
+                                 "config.json")
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path}: no config.json in this directory; pass a Hugging Face "
+                                 "model directory (config.json, *.safetensors, tokenizer.json)")
+        return path
+    if text.startswith((".", "/", "~")) or text.count("/") > 1 or "\\" in text:
+        raise ModelLoadError(f"{text}: no such directory")
+    return _download(text, revision, cache_dir, local_files_only)
+
+
+def _download(repo_id: str, revision: str | None,
+              cache_dir: str | os.PathLike[str] | None, local_files_only: bool) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        snapshot = snapshot_download(repo_id, revision=revision,
+                                     cache_dir=None if cache_dir is None else Path(cache_dir),
+                                     local_files_only=local_files_only,
+                                     allow_patterns=_HUB_PATTERNS)
+    except HFValidationError:
+        raise ModelLoadError(f"{repo_id}: not a local directory and not a valid Hugging Face "
+                             "id (expected org/name)") from None
+    except GatedRepoError:
+        raise ModelLoadError(f"{repo_id}: gated on the Hugging Face Hub; accept its license "
+                             "there and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise ModelLoadError(f"{repo_id}: neither a local directory nor a model on the Hugging "
+                             "Face Hub (if it is private, set HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise ModelLoadError(f"{repo_id}: revision {revision!r} not found on the Hub") from None
+    except LocalEntryNotFoundError as exc:
+        raise ModelLoadError(
+            f"{repo_id}: cannot download it while offline (HF_HUB_OFFLINE=1, local_files_only, "
+            "or no network) and it is not in the local Hugging Face cache"
+            f"{f' at {cache_dir}' if cache_dir else ''}; run once with network access or pass "
+            f"a local model directory ({exc})") from None
+    except OSError as exc:  # HTTP errors subclass OSError
+        raise ModelLoadError(f"{repo_id}: download from the Hugging Face Hub failed: {exc}") \
+            from exc
+    path = Path(snapshot)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{repo_id}: the Hub snapshot at {path} has no config.json")
+    return path
+
+
+def read_eos_token_ids(path: Path, config: ModelConfig) -> tuple[int, ...]:
+    """config.json's eos ids followed by any extra ones from generation_config.json."""
+    ids = list(config.eos_token_ids)
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            raw = json.loads(gen_path.read_text(encoding="utf-8")).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ModelLoadError(f"{gen_path}: cannot read it as a JSON object ({exc})") from exc
+        extra = raw if isinstance(raw, list) else ([] if raw is None else [raw])
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in extra):
+            raise ModelLoadError(f"{gen_path}: key 'eos_token_id' must be an int or a list of "
+                                 f"ints, got {raw!r}")
+        ids += [i for i in extra if i not in ids]
+    return tuple(ids)
+
+
+def checkpoint_files(path: Path) -> dict[str, Path]:
+    """Map every tensor name in the checkpoint to the safetensors file that holds it."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelLoadError(f"{index}: not a safetensors index with a 'weight_map' "
+                                 f"({exc})") from exc
+        files = {name: path / file for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not file.is_file():
+                raise ModelLoadError(f"{index}: names shard {file.name}, which is missing")
+        return files
+    single = path / SINGLE_FILE
+    if single.is_file():
+        with _open_safetensors(single) as f:
+            return dict.fromkeys(f.keys(), single)
+    others = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+    hint = f" (found {', '.join(others)}; only safetensors is supported)" if others else ""
+    raise ModelLoadError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
+
+
+def load_weights(model: nn.Module, path: Path) -> None:
+    """Copy every checkpoint tensor into the parameter of the same HF name (strict).
+
+    Casts to each parameter's dtype and device. Nothing is copied unless names and shapes all
+    match; otherwise ``ModelLoadError`` lists the missing, unexpected and mis-shaped tensors.
+    """
+    files = checkpoint_files(path)
+    params = dict(model.named_parameters())  # tied parameters appear once, under the first name
+    tied_lm_head = "lm_head.weight" not in params
+    ignored = {n for n in files
+               if n.endswith("rotary_emb.inv_freq") or (tied_lm_head and n == "lm_head.weight")}
+    missing = sorted(set(params) - set(files))
+    unexpected = sorted(set(files) - set(params) - ignored)
+    by_file: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        if name in params:
+            by_file.setdefault(file, []).append(name)
+    mismatched = []
+    for file, names in by_file.items():
+        with _open_safetensors(file) as f:
+            for name in names:
+                shape = list(f.get_slice(name).get_shape())
+                if shape != list(params[name].shape):
+                    mismatched.append(f"{name}: checkpoint {shape}, model "
+                                      f"{list(params[name].shape)}")
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_listing(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {_listing(mismatched)}")
+    if problems:
+        raise ModelLoadError(f"{path}: checkpoint does not match config.json "
+                             f"({type(model).__name__}): " + "; ".join(problems))
+    with torch.no_grad():
+        for file, names in by_file.items():
+            with _open_safetensors(file) as f:
+                for name in names:
+                    params[name].copy_(f.get_tensor(name))
+
+
+@contextmanager
+def _open_safetensors(file: Path) -> Iterator[Any]:
+    """safe_open on CPU, with unreadable files and absent tensors reported as ModelLoadError."""
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            yield handle
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # safetensors raises its own SafetensorError and plain errors
+        raise ModelLoadError(f"{file}: not a readable safetensors file, or a tensor the index "
+                             f"names is absent ({exc})") from exc
+
+
+def _listing(items: Iterable[str]) -> str:
+    items = list(items)
+    shown = ", ".join(items[:_MAX_LISTED])
+    return shown + (f" and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else "")

@@ -1,0 +1,112 @@
+"""The sampler: exact greedy, filters that keep what they promise, seeds independent of batch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve.engine import Request, SamplingParams
+from kvserve.model.sampler import Sampler
+
+VOCAB = 12
+
+
+def req(rid: str, **params) -> Request:
+    return Request(rid, [1, 2, 3], SamplingParams(**params))
+
+
+def logits_for(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, VOCAB, generator=torch.Generator().manual_seed(seed))
+
+
+def test_greedy_is_argmax():
+    logits = logits_for(3)
+    out = Sampler().sample(logits, [req(f"r{i}", temperature=0) for i in range(3)])
+    assert [t.token_id for t in out] == logits.argmax(-1).tolist()
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch():
+    alone = Sampler(seed=1)
+    busy = Sampler(seed=2)
+    row = logits_for(1, seed=5)
+    got_alone, got_busy = [], []
+    for step in range(20):
+        got_alone.append(alone.sample(row, [req("s", temperature=1.0, seed=42)])[0].token_id)
+        others = [req(f"o{i}", temperature=0.7) for i in range(3)]
+        batch = torch.cat([logits_for(2, seed=step), row, logits_for(1, seed=99 + step)])
+        tokens = busy.sample(batch, [others[0], others[1], req("s", temperature=1.0, seed=42),
+                                     others[2]])
+        got_busy.append(tokens[2].token_id)
+    assert got_alone == got_busy
+    assert len(set(got_alone)) > 1  # it really sampled
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = logits_for(4, seed=3)
+    sampler = Sampler()
+    for _ in range(5):
+        out = sampler.sample(logits, [req("a", top_k=1), req("b", top_p=1e-6), req("c", min_p=1.0),
+                                      req("d", top_k=1, temperature=5.0)])
+        assert [t.token_id for t in out] == logits.argmax(-1).tolist()
+
+
+def test_top_k_restricts_to_the_k_best():
+    logits = logits_for(1, seed=4)
+    allowed = set(logits[0].topk(3).indices.tolist())
+    sampler = Sampler()
+    seen = {sampler.sample(logits, [req(f"x{i}", top_k=3, temperature=2.0)])[0].token_id
+            for i in range(200)}
+    assert seen == allowed
+
+
+def test_top_p_keeps_the_smallest_head_reaching_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (VOCAB - 4)]))
+    sampler = Sampler()
+    seen = {sampler.sample(logits, [req(f"p{i}", top_p=0.8)])[0].token_id for i in range(300)}
+    assert seen == {0, 1}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05] + [1e-9] * (VOCAB - 4)]))
+    sampler = Sampler()
+    seen = {sampler.sample(logits, [req(f"m{i}", min_p=0.5)])[0].token_id for i in range(300)}
+    assert seen == {0, 1}
+
+
+def test_repetition_penalty_follows_hf_rule():
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 1], logits[0, 2], logits[0, 7] = 2.0, -1.0, 1.5
+    r = Request("r", [1, 2], SamplingParams(temperature=0, repetition_penalty=2.0))
+    out = Sampler()._apply_penalties(logits, [r])
+    assert out[0, 1] == 1.0 and out[0, 2] == -2.0 and out[0, 7] == 1.5
+    assert Sampler().sample(logits, [r])[0].token_id == 7
+
+
+def test_presence_and_frequency_penalties_apply_to_generated_tokens():
+    logits = torch.zeros(1, VOCAB)
+    r = Request("r", [5], SamplingParams(temperature=0, presence_penalty=0.5,
+                                         frequency_penalty=0.25))
+    r.append_output_token(3)
+    r.append_output_token(3)
+    out = Sampler()._apply_penalties(logits, [r])
+    assert out[0, 3] == pytest.approx(-1.0) and out[0, 5] == 0.0
+
+
+def test_logprobs_of_sampled_and_top_tokens():
+    logits = logits_for(1, seed=8)
+    out = Sampler().sample(logits, [req("l", temperature=0, logprobs=3)])[0]
+    expected = torch.log_softmax(logits[0], -1)
+    assert out.logprob is not None
+    assert out.logprob.logprob == pytest.approx(float(expected.max()))
+    assert [t for t, _ in out.logprob.top] == expected.topk(3).indices.tolist()
+    assert math.isclose(sum(math.exp(lp) for _, lp in out.logprob.top),
+                        float(expected.exp().topk(3).values.sum()), rel_tol=1e-5)
+
+
+def test_release_forgets_generators():
+    sampler = Sampler()
+    sampler.sample(logits_for(1), [req("g", seed=1)])
+    sampler.release(["g", "unknown"])
+    assert not sampler._generators
