@@ -7,7 +7,7 @@ evicted or reassigned wrongly changes the output, exactly as it would corrupt a 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from kvserve.engine import SampledToken, SchedulerOutput
 
@@ -40,10 +40,14 @@ class PagedToyModel:
         self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
         self.num_steps = 0
         self.tokens_computed = 0
+        self.released: list[str] = []
 
     def slot(self, block_table: Sequence[int], position: int) -> int:
         bs = self.block_size
         return block_table[position // bs] * bs + position % bs
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        self.released.extend(request_ids)
 
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
         self.num_steps += 1

@@ -31,6 +31,9 @@ class ModelExecutor(Protocol):
 
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]: ...
 
+    def release(self, request_ids: Iterable[str]) -> None:
+        """Forget per-request state (sampling generators) of requests that ended."""
+
 
 @dataclass(frozen=True, slots=True)
 class RequestDelta:
@@ -97,6 +100,7 @@ class EngineCore:
             now = self.clock()
             for request in self.scheduler.commit_step(out):
                 deltas.append(self._apply(request, sampled[request.request_id], now))
+        self._release_finished(deltas)
         self._check_integrity()
         return deltas
 
@@ -147,6 +151,11 @@ class EngineCore:
         return RequestDelta(request.request_id, token_ids, text, logprobs, True,
                             request.finish_reason, request.num_prompt_tokens,
                             max(request.num_cached_tokens, 0), request.error)
+
+    def _release_finished(self, deltas: list[RequestDelta]) -> None:
+        finished = [d.request_id for d in deltas if d.finished]
+        if finished:
+            self.executor.release(finished)
 
     def _check_integrity(self) -> None:
         report = self.scheduler.check_integrity()

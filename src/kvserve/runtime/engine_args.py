@@ -1,0 +1,64 @@
+"""Engine settings as users know them from vLLM, and how the KV cache is sized from them."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB: vLLM's CPU build reserves a fixed size as well
+
+
+@dataclass(frozen=True, slots=True)
+class EngineArgs:
+    """Everything needed to build an `LLMEngine`.
+
+    `model`: a local directory or a Hugging Face id (None: the built-in demo model).
+    KV cache size: `num_kv_blocks` if given, else `kv_cache_memory_bytes` (default 1 GiB).
+    `max_model_len` None means the model's `max_position_embeddings`.
+    """
+
+    model: str | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    dtype: str | None = None  # "float32", "bfloat16", "float16"; None: float32 on CPU
+    device: str = "cpu"
+    seed: int = 0
+    audit_interval_steps: int = 0
+    num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    def resolve_num_blocks(self, bytes_per_block: int) -> int:
+        """Blocks in the pool: explicit, or as many as the KV memory budget holds."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        budget = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_memory_bytes={budget} holds no block of {bytes_per_block} bytes; "
+                "raise it or lower block_size"
+            )
+        return num_blocks
+
+    def resolve_num_threads(self) -> int:
+        if self.num_threads is not None:
+            return max(1, self.num_threads)
+        try:
+            return max(1, len(os.sched_getaffinity(0)))
+        except AttributeError:  # not on Linux
+            return max(1, os.cpu_count() or 1)

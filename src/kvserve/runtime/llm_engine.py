@@ -1,0 +1,227 @@
+"""LLMEngine: a loaded model, its paged KV cache, the scheduler and the runner, stepped together.
+
+`add_request` (text or token ids; n samples become n engine requests sharing the prompt's
+blocks) → `step()` (schedule → run → sample → detokenize) → `RequestOutput`s. Not thread-safe:
+`AsyncEngine` runs it on one thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from kvserve.engine import (
+    EngineCore,
+    Request,
+    RequestDelta,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+)
+from kvserve.kvcache import AuditReport, KVCacheManager, KVCacheStats
+from kvserve.model import (
+    Tokenizer,
+    allocate_kv_caches,
+    kv_cache_bytes_per_block,
+    load_model,
+)
+from kvserve.model.runner import ModelRunner
+from kvserve.model.sampler import Sampler
+from kvserve.runtime.demo_model import DEMO_MODEL_NAME, ensure_demo_model
+from kvserve.runtime.engine_args import EngineArgs
+from kvserve.runtime.outputs import CompletionOutput, RequestOutput
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A consistent snapshot for metrics and /debug/kv, taken on the engine's thread."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    kv: KVCacheStats
+    last_audit: AuditReport | None
+
+
+class LLMEngine:
+    """Serves one model. Build it with `from_args`."""
+
+    def __init__(
+        self,
+        args: EngineArgs,
+        tokenizer: Tokenizer,
+        core: EngineCore,
+        kv_cache: KVCacheManager,
+        model_name: str,
+        max_model_len: int,
+        eos_token_ids: frozenset[int],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.args = args
+        self.tokenizer = tokenizer
+        self.core = core
+        self.kv_cache = kv_cache
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.clock = clock
+        self.last_audit: AuditReport | None = None
+        self._outputs: dict[str, RequestOutput] = {}  # live requests by id
+        self._child_of: dict[str, tuple[str, int]] = {}  # engine request id -> (id, index)
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> LLMEngine:
+        """Load the model and tokenizer, size and allocate the KV cache, wire the engine."""
+        torch.set_num_threads(args.resolve_num_threads())
+        path = args.model or str(ensure_demo_model())
+        dtype = _DTYPES[args.dtype] if args.dtype else None
+        loaded = load_model(path, device=args.device, dtype=dtype)
+        tokenizer = Tokenizer.from_pretrained(loaded.path)
+        config = loaded.config
+        num_blocks = args.resolve_num_blocks(
+            kv_cache_bytes_per_block(config, args.block_size, loaded.dtype))
+        max_model_len = args.max_model_len or config.max_position_embeddings
+        if max_model_len > config.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
+                             f"max_position_embeddings {config.max_position_embeddings}")
+        name = args.served_model_name or (DEMO_MODEL_NAME if args.model is None else args.model)
+        kv_cache = KVCacheManager(num_blocks, args.block_size,
+                                  enable_prefix_caching=args.enable_prefix_caching,
+                                  enable_events=True, model_id=name)
+        kv_caches = allocate_kv_caches(config, num_blocks, args.block_size, dtype=loaded.dtype,
+                                       device=loaded.device)
+        runner = ModelRunner(loaded.model, kv_caches, args.block_size,
+                             Sampler(args.seed, loaded.device))
+        scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
+                                              max_model_len, args.audit_interval_steps), kv_cache)
+        eos = frozenset(loaded.eos_token_ids) | (
+            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        engine = cls(args, tokenizer, core=None, kv_cache=kv_cache,  # type: ignore[arg-type]
+                     model_name=name, max_model_len=max_model_len, eos_token_ids=eos)
+        engine.core = EngineCore(scheduler, runner, tokenizer, engine.clock,
+                                 on_audit=engine._record_audit)
+        return engine
+
+    # -- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        deadline: float | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        """Queue a request. Raises ValueError (nothing queued) for an empty or too-long prompt,
+        token ids outside the vocabulary, or a request id already in use."""
+        params = params or SamplingParams()
+        if request_id in self._outputs:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.encode(prompt)
+        arrival = self.clock() if arrival_time is None else arrival_time
+        children = [
+            Request(
+                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                prompt_token_ids=token_ids,
+                sampling_params=replace(params, n=1, seed=None if params.seed is None
+                                        else params.seed + i),
+                eos_token_ids=self.eos_token_ids,
+                arrival_time=arrival,
+                deadline=deadline,
+                cache_salt=cache_salt,
+                group_id=request_id if params.n > 1 else None,
+            )
+            for i in range(params.n)
+        ]
+        for i, child in enumerate(children):
+            try:
+                self.core.add_request(child)
+            except ValueError:
+                self.core.abort(c.request_id for c in children[:i])
+                raise
+            self._child_of[child.request_id] = (request_id, i)
+        self._outputs[request_id] = RequestOutput(
+            request_id, token_ids, [CompletionOutput(i) for i in range(params.n)], arrival, text)
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt; ids given directly are checked against the vocabulary."""
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt)
+        else:
+            token_ids = list(prompt)
+            vocab = self.core.executor.model.config.vocab_size  # type: ignore[attr-defined]
+            bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        return token_ids
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (all its samples). Unknown or finished ids are ignored."""
+        output = self._outputs.get(request_id)
+        if output is None:
+            return
+        n = len(output.outputs)
+        self.core.abort([request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)])
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.core.has_unfinished
+
+    # -- stepping -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns every request that changed, finished ones last seen here."""
+        touched: dict[str, RequestOutput] = {}
+        for output in self._outputs.values():
+            for completion in output.outputs:
+                completion.new_text, completion.new_token_ids, completion.new_logprobs = "", (), ()
+        for delta in self.core.step():
+            output = self._apply(delta)
+            if output is not None:
+                touched[output.request_id] = output
+        for request_id, output in touched.items():
+            if output.finished:
+                output.finished_time = self.clock()
+                del self._outputs[request_id]
+        return list(touched.values())
+
+    def _apply(self, delta: RequestDelta) -> RequestOutput | None:
+        parent = self._child_of.get(delta.request_id)
+        if parent is None:
+            return None
+        request_id, index = parent
+        output = self._outputs[request_id]
+        completion = output.outputs[index]
+        completion.new_text, completion.new_token_ids = delta.new_text, delta.new_token_ids
+        completion.new_logprobs = delta.new_logprobs
+        completion.text += delta.new_text
+        completion.token_ids.extend(delta.new_token_ids)
+        completion.logprobs.extend(delta.new_logprobs)
+        output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
+        if delta.new_token_ids and output.first_token_time is None:
+            output.first_token_time = self.clock()
+        if delta.finished:
+            completion.finish_reason = delta.finish_reason
+            completion.error = delta.error
+            del self._child_of[delta.request_id]
+        return output
+
+    # -- views ----------------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        scheduler = self.core.scheduler
+        return EngineStats(len(scheduler.running), len(scheduler.waiting),
+                           scheduler.num_preemptions, self.kv_cache.stats(), self.last_audit)
+
+    def _record_audit(self, report: AuditReport) -> None:
+        self.last_audit = report

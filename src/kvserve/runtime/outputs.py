@@ -1,0 +1,53 @@
+"""What generation returns: per request, one `CompletionOutput` per sample (n of them)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.engine import FinishReason, TokenLogprob
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One sample of a request. `text`/`token_ids` are cumulative; `new_*` are this step's part
+    (what a stream sends next). `finish_reason` is set once the sample ended."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    new_text: str = ""
+    new_token_ids: tuple[int, ...] = ()
+    new_logprobs: tuple[TokenLogprob, ...] = ()
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step. `finished` once every sample ended.
+
+    Times are on the engine's monotonic clock: `arrival_time`, `first_token_time` (any sample),
+    `finished_time`. `num_cached_tokens`: prompt tokens served from the prefix cache.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    arrival_time: float
+    prompt: str | None = None
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finished for o in self.outputs)
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(o.token_ids) for o in self.outputs)
