@@ -6,6 +6,9 @@ import pytest
 
 from kvserve.kvcache import KVCacheManager
 
+# Helper modules that assert: let pytest show the operands of a failed assert.
+pytest.register_assert_rewrite("tests.kvcache.stateful_model", "tests.kvcache.planted_harness")
+
 
 class FakeClock:
     def __init__(self) -> None:
