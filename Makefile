@@ -9,12 +9,13 @@ TRACE ?= $(SHARED)/traces/mooncake/synthetic_trace.jsonl
 
 venv: $(VENV)/.installed
 
-# torch first, pinned to the CPU build that lies on these machines, so pip never pulls a CUDA build.
+# torch first, pinned to the CPU build that lies on these machines, so pip never pulls a CUDA build
+# (the project asks for torch>=2.4, which the installed 2.13.0 satisfies).
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[model,dev]'
+	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
 # The main job. Until the engine lands it replays the Mooncake trace through the KV cache

@@ -14,11 +14,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from kvserve.engine import SamplingParams
 from kvserve.runtime.llm_engine import EngineStats, LLMEngine
 from kvserve.runtime.outputs import RequestOutput
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -101,6 +103,22 @@ class AsyncEngine:
         finally:
             if not finished:
                 self.abort(request_id)
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run `fn(engine)` on the engine's thread between steps (e.g. an audit) and return
+        its result; the engine is never read while a step mutates it."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine loop is not running ({self.error!r})")
+        result: Future[T] = Future()
+
+        def run() -> None:
+            try:
+                result.set_result(fn(self.engine))
+            except BaseException as exc:
+                result.set_exception(exc)
+
+        self._submit(run)
+        return await asyncio.wrap_future(result)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; applied right after the current step."""

@@ -1,0 +1,170 @@
+"""The FastAPI app: thin routes over `Serving`, OpenAI errors, metrics, health, /debug/kv."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvserve.runtime import AsyncEngine
+from kvserve.server.debug import kv_report
+from kvserve.server.errors import APIError, install_error_handlers
+from kvserve.server.formatting import ChatFormatter, CompletionFormatter
+from kvserve.server.limits import BodySizeLimit
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.serving import SSE_DONE, Serving, sse
+from kvserve.server.settings import ServerSettings
+
+
+def _check_key(request: Request, expected: str | None) -> None:
+    if expected is None:
+        return
+    header = request.headers.get("authorization", "")
+    given = header[7:] if header.lower().startswith("bearer ") else ""
+    if not hmac.compare_digest(given.encode(), expected.encode()):
+        raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                       err_type="authentication_error")
+
+
+def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
+    """An app serving `engine` (started by the app's lifespan, drained on shutdown)."""
+    settings = settings or ServerSettings()
+    model_name = engine.engine.model_name
+    tokenizer = engine.engine.tokenizer
+    metrics = ServerMetrics(engine, model_name)
+    serving = Serving(engine, model_name, metrics, settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not engine.is_running and engine.error is None:
+            engine.start()
+        yield
+        engine.shutdown(drain_timeout_s=settings.drain_timeout_s)
+
+    app = FastAPI(title="kvserve", lifespan=lifespan)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    install_error_handlers(app)
+
+    def require_api_key(request: Request) -> None:
+        _check_key(request, settings.api_key)
+
+    def require_admin_key(request: Request) -> None:
+        _check_key(request, settings.admin_key or settings.api_key)
+
+    @app.middleware("http")
+    async def echo_request_id(request: Request, call_next):  # type: ignore[no-untyped-def]
+        response = await call_next(request)
+        if "x-request-id" in request.headers:
+            response.headers["X-Request-Id"] = request.headers["x-request-id"]
+        return response
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.is_running:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "engine stopped", "error": repr(engine.error)}, 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", dependencies=[Depends(require_api_key)])
+    async def models() -> dict[str, object]:
+        return {"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": 0, "owned_by": "kvserve",
+            "max_model_len": engine.engine.max_model_len}]}
+
+    @app.get("/debug/kv", dependencies=[Depends(require_admin_key)])
+    async def debug_kv() -> dict[str, object]:
+        return await engine.call(kv_report)
+
+    @app.post("/v1/completions", dependencies=[Depends(require_api_key)])
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        if body.suffix is not None:
+            raise APIError(400, "suffix is not supported; put the text in the prompt",
+                           param="suffix")
+        if body.echo:
+            raise APIError(400, "echo is not supported; the prompt is known to the caller",
+                           param="echo")
+        if body.best_of not in (None, body.n):
+            raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
+        params = body.sampling_params(body.max_tokens, body.logprobs)
+        prompts = body.prompts()
+        call = serving.begin(raw, body.model, body.cache_salt)
+        fmt = CompletionFormatter(tokenizer, call.request_id, call.created, model_name,
+                                  params.n, body.logprobs is not None)
+        if not body.stream:
+            outputs = await serving.collect(raw, call, prompts, params, body.cache_salt)
+            return JSONResponse(fmt.whole(outputs))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = serving.stream(call, prompts, params, body.cache_salt)
+        first = await _first_or_error(events)
+
+        async def body_stream() -> AsyncIterator[str]:
+            finals = {}
+            pending = [first] if first is not None else []
+            async for idx, output in _chain(pending, events):
+                chunk = fmt.chunk(idx, output)
+                if chunk is not None:
+                    yield sse(chunk)
+                if output.finished:
+                    finals[idx] = output
+            if include_usage:
+                yield sse(fmt.usage_chunk([finals[i] for i in sorted(finals)]))
+            yield SSE_DONE
+
+        return StreamingResponse(body_stream(), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
+    async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
+        want_logprobs = body.logprobs
+        params = body.sampling_params(body.effective_max_tokens,
+                                      (body.top_logprobs or 0) if want_logprobs else None)
+        messages = [m.as_template_message() for m in body.messages]
+        prompt = tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
+                                       tools=body.tools)
+        call = serving.begin(raw, body.model, body.cache_salt)
+        fmt = ChatFormatter(tokenizer, call.request_id, call.created, model_name, want_logprobs)
+        if not body.stream:
+            (output,) = await serving.collect(raw, call, [prompt], params, body.cache_salt)
+            return JSONResponse(fmt.whole(output))
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = serving.stream(call, [prompt], params, body.cache_salt)
+        first = await _first_or_error(events)
+
+        async def body_stream() -> AsyncIterator[str]:
+            final = None
+            pending = [first] if first is not None else []
+            async for _, output in _chain(pending, events):
+                chunk = fmt.chunk(output)
+                if chunk is not None:
+                    yield sse(chunk)
+                if output.finished:
+                    final = output
+            if include_usage and final is not None:
+                yield sse(fmt.usage_chunk(final))
+            yield SSE_DONE
+
+        return StreamingResponse(body_stream(), media_type="text/event-stream")
+
+    return app
+
+
+async def _first_or_error(events):  # type: ignore[no-untyped-def]
+    """Pull the first event before the response starts, so a refused request is still a 4xx."""
+    try:
+        return await events.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def _chain(pending, events):  # type: ignore[no-untyped-def]
+    for item in pending:
+        yield item
+    async for item in events:
+        yield item

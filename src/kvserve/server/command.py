@@ -1,0 +1,96 @@
+"""`kvserve serve`: one OpenAI-compatible worker."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import uvicorn
+from rich.console import Console
+
+from kvserve.runtime import AsyncEngine, EngineArgs, LLMEngine
+from kvserve.server.app import create_app
+from kvserve.server.settings import ServerSettings
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Engine sizing flags, named as in vLLM."""
+    p.add_argument("--model", default=None,
+                   help="HF model id or local directory (default: the built-in demo model, "
+                        "random weights, meaningless text, no download)")
+    p.add_argument("--served-model-name", default=None, help="the name clients use")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--num-gpu-blocks-override", "--num-kv-blocks", dest="num_kv_blocks",
+                   type=int, default=None, help="number of KV blocks (overrides the memory size)")
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="bytes for the KV cache (default 1 GiB)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="max running requests")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
+    p.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                   action="store_false", help="turn the prefix cache off")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--audit-interval-steps", type=int, default=0,
+                   help="run the full KV cache audit every N steps (0: only when idle)")
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads")
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=args.model, served_model_name=args.served_model_name, block_size=args.block_size,
+        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
+        dtype=args.dtype, device=args.device, seed=args.seed,
+        audit_interval_steps=args.audit_interval_steps, num_threads=args.num_threads,
+    )
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("serve", help="run one OpenAI-compatible worker")
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+                   help="require this key on /v1 routes (env KVSERVE_API_KEY)")
+    p.add_argument("--admin-key", default=os.environ.get("KVSERVE_ADMIN_KEY"),
+                   help="key for /debug routes (default: the API key)")
+    p.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="queued requests beyond which new ones get 429 + Retry-After")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="server deadline per request, seconds (0: none)")
+    p.add_argument("--drain-timeout", type=float, default=10.0,
+                   help="on shutdown, seconds to let in-flight requests finish")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    try:
+        engine_args = engine_args_from(args)
+        with console.status(f"loading {args.model or 'the built-in demo model'} …"):
+            engine = LLMEngine.from_args(engine_args)
+    except (ValueError, OSError) as exc:
+        console.print(f"[red]cannot start: {exc}[/]", soft_wrap=True)
+        return 2
+    settings = ServerSettings(
+        api_key=args.api_key, admin_key=args.admin_key,
+        max_waiting_requests=args.max_waiting_requests,
+        request_timeout_s=args.request_timeout or None, drain_timeout_s=args.drain_timeout,
+    )
+    app = create_app(AsyncEngine(engine), settings)
+    url = f"http://{args.host}:{args.port}"
+    stats = engine.kv_cache.stats()
+    console.print(f"[green]kvserve[/] serving [bold]{engine.model_name}[/] at {url} "
+                  f"({stats.num_blocks} KV blocks of {stats.block_size} tokens)", soft_wrap=True)
+    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+    console.print(f"try: curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+                  f"-d '{{\"model\": \"{engine.model_name}\", \"prompt\": \"Hello\", "
+                  f"\"max_tokens\": 16}}'", soft_wrap=True, highlight=False)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=int(args.drain_timeout) + 1)
+    return 0

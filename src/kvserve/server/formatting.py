@@ -1,0 +1,156 @@
+"""OpenAI response bodies from engine outputs: completions and chat, whole and streamed."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvserve.engine import TokenLogprob
+from kvserve.model import Tokenizer
+from kvserve.runtime import CompletionOutput, RequestOutput
+
+
+def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(o.num_generated_tokens for o in outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def finish_reason(completion: CompletionOutput) -> str | None:
+    return completion.finish_reason.openai_name if completion.finish_reason else None
+
+
+def completion_logprobs(
+    tokenizer: Tokenizer, logprobs: Sequence[TokenLogprob], text_start: int = 0
+) -> dict[str, Any]:
+    """The legacy completions logprobs object."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    offset = text_start
+    for lp in logprobs:
+        token = tokenizer.decode([lp.token_id], skip_special_tokens=False)
+        tokens.append(token)
+        token_logprobs.append(lp.logprob)
+        top.append({tokenizer.decode([t], skip_special_tokens=False): v for t, v in lp.top})
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprob]) -> dict[str, Any]:
+    """The chat logprobs object: `content` with one entry per token."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        token = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [entry(lp.token_id, lp.logprob)
+                        | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+                        for lp in logprobs]}
+
+
+class CompletionFormatter:
+    """Bodies for /v1/completions; choice index = prompt index * n + sample index."""
+
+    def __init__(self, tokenizer: Tokenizer, request_id: str, created: int, model: str,
+                 n: int, want_logprobs: bool) -> None:
+        self.tokenizer = tokenizer
+        self.id = f"cmpl-{request_id}"
+        self.created = created
+        self.model = model
+        self.n = n
+        self.want_logprobs = want_logprobs
+        self._ended: set[tuple[int, int]] = set()
+
+    def _head(self) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model}
+
+    def whole(self, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for p, output in enumerate(outputs):
+            for c in output.outputs:
+                choices.append({
+                    "index": p * self.n + c.index, "text": c.text,
+                    "logprobs": completion_logprobs(self.tokenizer, c.logprobs)
+                    if self.want_logprobs else None,
+                    "finish_reason": finish_reason(c),
+                })
+        return self._head() | {"choices": choices, "usage": usage(outputs)}
+
+    def chunk(self, prompt_idx: int, output: RequestOutput) -> dict[str, Any] | None:
+        choices = []
+        for c in output.outputs:
+            ended = c.finished and (prompt_idx, c.index) not in self._ended
+            if ended:
+                self._ended.add((prompt_idx, c.index))
+            if not (c.new_text or c.new_token_ids or ended):
+                continue
+            choices.append({
+                "index": prompt_idx * self.n + c.index, "text": c.new_text,
+                "logprobs": completion_logprobs(self.tokenizer, c.new_logprobs)
+                if self.want_logprobs else None,
+                "finish_reason": finish_reason(c) if ended else None,
+            })
+        return self._head() | {"choices": choices} if choices else None
+
+    def usage_chunk(self, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+        return self._head() | {"choices": [], "usage": usage(outputs)}
+
+
+class ChatFormatter:
+    """Bodies for /v1/chat/completions."""
+
+    def __init__(self, tokenizer: Tokenizer, request_id: str, created: int, model: str,
+                 want_logprobs: bool) -> None:
+        self.tokenizer = tokenizer
+        self.id = f"chatcmpl-{request_id}"
+        self.created = created
+        self.model = model
+        self.want_logprobs = want_logprobs
+        self._role_sent: set[int] = set()
+        self._ended: set[int] = set()
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, output: RequestOutput) -> dict[str, Any]:
+        choices = [{
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": chat_logprobs(self.tokenizer, c.logprobs) if self.want_logprobs
+            else None,
+            "finish_reason": finish_reason(c),
+        } for c in output.outputs]
+        return self._head("chat.completion") | {"choices": choices, "usage": usage([output])}
+
+    def chunk(self, output: RequestOutput) -> dict[str, Any] | None:
+        choices = []
+        for c in output.outputs:
+            delta: dict[str, Any] = {}
+            if c.index not in self._role_sent:
+                delta["role"] = "assistant"
+                self._role_sent.add(c.index)
+            if c.new_text:
+                delta["content"] = c.new_text
+            ended = c.finished and c.index not in self._ended
+            if ended:
+                self._ended.add(c.index)
+            if not delta and not ended:
+                continue
+            if "content" not in delta and "role" in delta:
+                delta["content"] = ""
+            choices.append({
+                "index": c.index, "delta": delta,
+                "logprobs": chat_logprobs(self.tokenizer, c.new_logprobs)
+                if self.want_logprobs and c.new_logprobs else None,
+                "finish_reason": finish_reason(c) if ended else None,
+            })
+        return self._head("chat.completion.chunk") | {"choices": choices} if choices else None
+
+    def usage_chunk(self, output: RequestOutput) -> dict[str, Any]:
+        return self._head("chat.completion.chunk") | {"choices": [], "usage": usage([output])}
+

@@ -1,0 +1,158 @@
+"""Prometheus metrics: vLLM's names where vLLM has the metric, `kvserve:` names for the rest.
+
+Engine counters are read from the engine's own snapshot at scrape time (so `/metrics` equals the
+cache's books exactly); latencies are observed here as requests finish. One registry per app.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvserve.engine import FinishReason
+from kvserve.kvcache import FreeReason
+from kvserve.runtime import AsyncEngine, RequestOutput
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+               2.5, 5.0, 7.5, 10.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0)
+MAX_TENANT_LABELS = 32  # bounded label cardinality; later tenants share "other"
+
+
+def tenant_label(tenant: str | None, cache_salt: str | None) -> str:
+    """A metrics label for a tenant that never exposes its salt."""
+    if tenant:
+        return tenant[:64]
+    if cache_salt:
+        return "salt-" + hashlib.sha256(cache_salt.encode()).hexdigest()[:8]
+    return "none"
+
+
+class EngineCollector(Collector):
+    """Gauges and counters from the engine's latest snapshot, taken on its own thread."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        stats = self.engine.stats
+        kv, c = stats.kv, stats.kv.counters
+        labels = ["model_name"]
+        value = [self.model_name]
+
+        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(value, v)
+            return g
+
+        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
+            m = CounterMetricFamily(name, doc, labels=labels)
+            m.add_metric(value, v)
+            return m
+
+        yield gauge("vllm:num_requests_running", "Requests in the running batch.",
+                    stats.num_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
+                    stats.num_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full; evictable cached "
+                    "blocks count as free).", kv.usage)
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      c.prefix_queries_tokens)
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                      c.prefix_hits_tokens)
+        yield counter("vllm:num_preemptions", "Preemptions (KV recomputed later).",
+                      stats.num_preemptions)
+        info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration.",
+                                 labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
+        info.add_metric([str(kv.block_size), str(kv.num_blocks), "True"], 1.0)
+        yield info
+        yield gauge("kvserve:kv_free_blocks", "Free blocks (uncached + cached).",
+                    kv.num_free_blocks)
+        yield gauge("kvserve:kv_cached_free_blocks", "Free blocks still hit-able.",
+                    kv.num_cached_free_blocks)
+        yield gauge("kvserve:kv_held_blocks", "Blocks held by live requests.", kv.num_held_blocks)
+        yield gauge("kvserve:kv_blocks", "Blocks in the pool.", kv.num_blocks)
+        yield gauge("kvserve:kv_live_requests", "Requests the cache ledger holds.",
+                    kv.num_live_requests)
+        yield gauge("kvserve:engine_up", "1 while the engine loop runs.",
+                    1.0 if self.engine.is_running else 0.0)
+        for name, doc, v in (
+            ("kvserve:kv_allocated_blocks", "Blocks allocated.", c.allocated_blocks),
+            ("kvserve:kv_freed_blocks", "Block references released.", c.freed_blocks),
+            ("kvserve:kv_evicted_blocks", "Cached blocks evicted for reuse.", c.evicted_blocks),
+            ("kvserve:kv_corruption_detections", "Blocks found reassigned under a live request.",
+             c.corruption_detections),
+            ("kvserve:kv_hash_collisions", "Hash matches refused by the token re-check.",
+             c.hash_collisions),
+            ("kvserve:kv_reclaimed_blocks", "Blocks reclaimed from requests nobody freed.",
+             c.reclaimed_blocks),
+            ("kvserve:kv_audit_runs", "Cache audits run.", c.audit_runs),
+            ("kvserve:kv_audit_failures", "Cache audits that found a broken invariant.",
+             c.audit_failures),
+        ):
+            yield counter(name, doc, v)
+        frees = CounterMetricFamily("kvserve:kv_request_frees", "Requests whose blocks were "
+                                    "freed, by reason.", labels=["model_name", "reason"])
+        for reason in FreeReason:
+            frees.add_metric([self.model_name, reason.value], c.frees_by_reason.get(reason, 0))
+        yield frees
+
+
+class ServerMetrics:
+    """The app's registry and the per-request observations."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        self.registry.register(EngineCollector(engine, model_name))
+        label = ["model_name"]
+        reg = self.registry
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", label,
+                              buckets=TTFT_BUCKETS, registry=reg)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.",
+                             label, buckets=ITL_BUCKETS, registry=reg)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
+                             label, buckets=E2E_BUCKETS, registry=reg)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", label,
+                                     registry=reg)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", label,
+                                         registry=reg)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                               ["model_name", "finished_reason"], registry=reg)
+        self.rejected = Counter("kvserve:requests_rejected", "Requests refused, by cause.",
+                                ["model_name", "cause"], registry=reg)
+        self.tenant_queries = Counter("kvserve:tenant_prefix_cache_queries",
+                                      "Prompt tokens looked up, per tenant.",
+                                      ["model_name", "tenant"], registry=reg)
+        self.tenant_hits = Counter("kvserve:tenant_prefix_cache_hits",
+                                   "Prompt tokens served from cache, per tenant.",
+                                   ["model_name", "tenant"], registry=reg)
+        self._tenants: set[str] = set()
+
+    def observe_token_gap(self, seconds: float) -> None:
+        self.itl.labels(self.model_name).observe(seconds)
+
+    def observe_finished(self, output: RequestOutput, tenant: str) -> None:
+        m = self.model_name
+        if output.first_token_time is not None:
+            self.ttft.labels(m).observe(output.first_token_time - output.arrival_time)
+        if output.finished_time is not None:
+            self.e2e.labels(m).observe(output.finished_time - output.arrival_time)
+        self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
+        self.generation_tokens.labels(m).inc(output.num_generated_tokens)
+        for completion in output.outputs:
+            reason = completion.finish_reason or FinishReason.ABORT
+            self.success.labels(m, reason.openai_name).inc()
+        if tenant not in self._tenants and len(self._tenants) >= MAX_TENANT_LABELS:
+            tenant = "other"
+        self._tenants.add(tenant)
+        self.tenant_queries.labels(m, tenant).inc(len(output.prompt_token_ids))
+        self.tenant_hits.labels(m, tenant).inc(output.num_cached_tokens)

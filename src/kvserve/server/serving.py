@@ -1,0 +1,153 @@
+"""Request lifecycle shared by the OpenAI routes: admission, deadlines, streams, disconnects.
+
+Admission is bounded (429 + Retry-After beyond `max_waiting_requests`); every request carries the
+server deadline into the engine; closing a stream or losing the client aborts the engine request,
+which frees its blocks through the engine's one free path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from kvserve.engine import SamplingParams
+from kvserve.runtime import AsyncEngine, RequestOutput
+from kvserve.server.errors import APIError
+from kvserve.server.metrics import ServerMetrics, tenant_label
+from kvserve.server.settings import ServerSettings
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One HTTP request's identity: the id echoed to the client and the tenant for metrics."""
+
+    request_id: str
+    tenant: str
+    created: int
+
+
+def sse(data: object) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class Serving:
+    """Runs requests on the engine for the routes."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        metrics: ServerMetrics,
+        settings: ServerSettings,
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+        self.settings = settings
+        self.in_flight = 0
+        scheduler_config = engine.engine.core.scheduler.config
+        self.capacity = scheduler_config.max_num_seqs + settings.max_waiting_requests
+
+    def begin(self, raw: Request, model: str | None, cache_salt: str | None) -> Call:
+        """Check the model name and admission; raises APIError (404/429) otherwise."""
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
+                           f"{self.model_name!r} (see /v1/models)", param="model",
+                           err_type="not_found_error")
+        if not self.engine.is_running:
+            raise APIError(503, "the engine is not running", err_type="service_unavailable")
+        if self.in_flight >= self.capacity:
+            self.metrics.rejected.labels(self.model_name, "queue_full").inc()
+            raise APIError(429, f"the server is saturated ({self.in_flight} requests in flight); "
+                           f"retry after {self.settings.retry_after_s}s",
+                           err_type="rate_limit_error",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        header_id = raw.headers.get("x-request-id")
+        request_id = header_id or uuid.uuid4().hex
+        tenant = tenant_label(raw.headers.get("x-tenant-id"), cache_salt)
+        return Call(request_id, tenant, int(time.time()))
+
+    async def stream(
+        self,
+        call: Call,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams,
+        cache_salt: str | None,
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of every prompt as they come: (prompt index, output). Raises ValueError for a
+        prompt the engine refuses, before anything is yielded for it."""
+        deadline = None
+        if self.settings.request_timeout_s is not None:
+            deadline = time.monotonic() + self.settings.request_timeout_s
+        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+        self.in_flight += len(prompts)
+
+        async def pump(idx: int, prompt: str | list[int]) -> None:
+            engine_id = f"{call.request_id}-{idx}-{uuid.uuid4().hex[:8]}"
+            last = None
+            try:
+                async for output in self.engine.generate(engine_id, prompt, params,
+                                                         cache_salt=cache_salt,
+                                                         deadline=deadline):
+                    now = time.monotonic()
+                    if last is not None and any(c.new_token_ids for c in output.outputs):
+                        self.metrics.observe_token_gap(now - last)
+                    last = now
+                    if output.finished:
+                        self.metrics.observe_finished(output, call.tenant)
+                    await queue.put((idx, output))
+            except BaseException as exc:
+                await queue.put(exc)
+                raise
+            finally:
+                self.in_flight -= 1
+
+        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prompts)]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item[1].finished:
+                    remaining -= 1
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(
+        self,
+        raw: Request,
+        call: Call,
+        prompts: Sequence[str | list[int]],
+        params: SamplingParams,
+        cache_salt: str | None,
+    ) -> list[RequestOutput]:
+        """Final outputs of every prompt; aborts everything if the client goes away."""
+        finals: dict[int, RequestOutput] = {}
+
+        async def run() -> None:
+            async for idx, output in self.stream(call, prompts, params, cache_salt):
+                if output.finished:
+                    finals[idx] = output
+
+        task = asyncio.ensure_future(run())
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            if not task.done() and await raw.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise APIError(499, "client disconnected", err_type="client_closed_request")
+        task.result()
+        return [finals[i] for i in range(len(prompts))]
