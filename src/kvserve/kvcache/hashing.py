@@ -9,8 +9,9 @@ every variable-length field is length-prefixed, so no two different inputs share
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from collections.abc import Sequence
+from functools import lru_cache
 
 ROOT_HASH = b"\x00" * 32
 """Parent of every first block."""
@@ -20,8 +21,14 @@ TOKEN_WIDTH = 8
 
 
 def encode_tokens(token_ids: Sequence[int]) -> bytes:
-    """Fixed-width encoding of token ids; also what a cached block keeps for the hit re-check."""
-    return array("q", token_ids).tobytes()
+    """Fixed-width little-endian encoding of token ids (the same bytes on every platform); also
+    what a cached block keeps for the hit re-check."""
+    return _packer(len(token_ids)).pack(*token_ids)
+
+
+@lru_cache(maxsize=64)
+def _packer(count: int) -> struct.Struct:
+    return struct.Struct(f"<{count}q")
 
 
 def encode_extra_keys(*keys: str | None) -> bytes:
