@@ -1,0 +1,194 @@
+"""The gateway's HTTP face: OpenAI routes proxied to the chosen worker, plus /health, /metrics
+and /workers. Stateless across replicas: the routing policy needs no shared state."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvserve.gateway.admission import Admission, Saturated
+from kvserve.gateway.forward import Forwarder, NoWorkerAvailable, Upstream
+from kvserve.gateway.metrics import GatewayMetrics
+from kvserve.gateway.policies import NoHealthyWorker, make_policy
+from kvserve.gateway.retry_budget import RetryBudget
+from kvserve.gateway.route_key import route_request_for
+from kvserve.gateway.scraper import Scraper
+from kvserve.gateway.tenancy import Tenancy
+from kvserve.gateway.worker_pool import WorkerPool
+
+FORWARDED_HEADERS = ("x-request-id", "authorization")
+
+
+@dataclass(frozen=True, slots=True)
+class GatewaySettings:
+    """`max_in_flight`: requests open upstream at once (fleet-wide); beyond it up to
+    `max_queued` wait `queue_timeout_s` for a slot, then get 429 + Retry-After."""
+
+    workers: tuple[str, ...]
+    policy: str = "prefix_hash"
+    max_in_flight: int = 256
+    max_queued: int = 512
+    queue_timeout_s: float = 5.0
+    request_timeout_s: float | None = 600.0
+    retry_ratio: float = 0.1
+    scrape_interval_s: float = 1.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    tenancy: Tenancy = field(default_factory=Tenancy)
+
+
+def _error(status: int, message: str, err_type: str = "invalid_request_error",
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": err_type, "param": None,
+                                   "code": status}}, status_code=status, headers=headers)
+
+
+def create_gateway(settings: GatewaySettings) -> FastAPI:
+    pool = WorkerPool(list(settings.workers))
+    policy = make_policy(settings.policy)
+    admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
+    budget = RetryBudget(ratio=settings.retry_ratio)
+    metrics = GatewayMetrics(pool, admission, budget)
+    client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
+                                                   max_keepalive_connections=256))
+    forwarder = Forwarder(pool, policy, client, budget, metrics, settings.policy,
+                          settings.request_timeout_s)
+    scraper = Scraper(pool, client, settings.scrape_interval_s)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await scraper.scrape_once()
+        scraper.start()
+        yield
+        await scraper.stop()
+        await client.aclose()
+
+    app = FastAPI(title="kvserve gateway", lifespan=lifespan)
+
+    async def proxy(request: Request, path: str) -> Response:
+        started = time.monotonic()
+        raw = await request.body()
+        if len(raw) > settings.max_body_bytes:
+            return _error(413, f"request body exceeds {settings.max_body_bytes} bytes")
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return _error(400, "the request body is not valid JSON: send a JSON object (UTF-8)")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        _, salt = settings.tenancy.resolve(request.headers)
+        body.pop("cache_salt", None)  # never trust a client's salt
+        if salt is not None:
+            body["cache_salt"] = salt
+        try:
+            route = route_request_for(path, body, salt)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
+        try:
+            await admission.acquire()
+        except Saturated as exc:
+            metrics.rejections.labels(exc.reason).inc()
+            return _error(429, f"the fleet is saturated ({exc.reason}); retry after "
+                          f"{exc.retry_after_s}s", "rate_limit_error",
+                          {"Retry-After": str(exc.retry_after_s)})
+        try:
+            upstream = await forwarder.open(path, body, headers, route, started)
+        except NoHealthyWorker as exc:
+            admission.release()
+            metrics.rejections.labels("no_healthy_worker").inc()
+            return _error(503, f"no healthy worker: {exc}", "service_unavailable",
+                          {"Retry-After": "1"})
+        except NoWorkerAvailable as exc:
+            admission.release()
+            metrics.rejections.labels(f"upstream_{exc.status}").inc()
+            if exc.body is not None:
+                extra = {"Retry-After": exc.retry_after} if exc.retry_after else None
+                return Response(exc.body, exc.status, headers=extra,
+                                media_type="application/json")
+            return _error(503, str(exc), "service_unavailable", {"Retry-After": "1"})
+        except BaseException:
+            admission.release()
+            raise
+        content_type = upstream.response.headers.get("content-type", "application/json")
+        if not content_type.startswith("text/event-stream"):
+            try:
+                content = await upstream.read()
+            except httpx.HTTPError as exc:
+                return _error(502, f"worker {upstream.worker_url} failed mid-response: "
+                              f"{type(exc).__name__}", "upstream_error")
+            finally:
+                admission.release()
+            return Response(content, upstream.response.status_code, media_type=content_type)
+        return StreamingResponse(_relay(upstream, admission), upstream.response.status_code,
+                                 media_type=content_type)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await proxy(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for worker in pool.workers.values():
+            if worker.healthy:
+                try:
+                    answer = await client.get(f"{worker.url}/v1/models", timeout=5.0)
+                except httpx.HTTPError:
+                    continue
+                return Response(answer.content, answer.status_code,
+                                media_type="application/json")
+        return _error(503, "no healthy worker", "service_unavailable")
+
+    @app.get("/health")
+    async def health() -> Response:
+        now = time.monotonic()
+        healthy = sum(1 for v in pool.views(now) if v.healthy)
+        status = 200 if healthy else 503
+        return JSONResponse({"status": "ok" if healthy else "no healthy worker",
+                             "healthy_workers": healthy, "workers": len(pool.workers)}, status)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/workers")
+    async def workers() -> dict[str, Any]:
+        now = time.monotonic()
+        return {"policy": settings.policy, "workers": [
+            {"url": w.url, "healthy": w.view(now).healthy, "in_flight": w.in_flight,
+             "num_running": w.num_running, "num_waiting": w.num_waiting,
+             "kv_usage": w.kv_usage, "prefix_hit_rate": (w.prefix_hits / w.prefix_queries
+                                                         if w.prefix_queries else None),
+             "requests": w.requests, "failures": w.failures, "backpressure": w.backpressure,
+             "ejected_for_s": max(0.0, w.ejected_until - now), "last_error": w.last_error}
+            for w in pool.workers.values()]}
+
+    return app
+
+
+async def _relay(upstream: Upstream, admission: Admission) -> AsyncIterator[bytes]:
+    """Pass an SSE stream through. If the worker dies mid-stream the client gets an error event
+    and the end marker, never a hang; if the client leaves, the upstream is closed."""
+    try:
+        async for chunk in upstream.iter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:
+        error = {"error": {"message": f"worker {upstream.worker_url} failed mid-stream "
+                           f"({type(exc).__name__}); retry the request", "type": "upstream_error",
+                           "param": None, "code": 502}}
+        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
+    finally:
+        await upstream.close()
+        admission.release()

@@ -1,0 +1,141 @@
+"""`kvserve gateway` (route to --worker URLs) and `kvserve up` (N local workers + a gateway)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import uvicorn
+from rich.console import Console
+
+from kvserve.gateway.app import GatewaySettings, create_gateway
+from kvserve.gateway.policies import POLICY_NAMES
+from kvserve.gateway.tenancy import Tenancy
+
+
+def _add_gateway_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--policy", choices=POLICY_NAMES, default="prefix_hash")
+    p.add_argument("--max-in-flight", type=int, default=256,
+                   help="requests open upstream at once, fleet-wide")
+    p.add_argument("--max-queued", type=int, default=512, help="requests waiting for a slot")
+    p.add_argument("--queue-timeout", type=float, default=5.0,
+                   help="seconds a request may wait for a slot before 429")
+    p.add_argument("--retry-ratio", type=float, default=0.1,
+                   help="retries may add at most this fraction of the request rate")
+    p.add_argument("--tenant-header", default="X-Tenant-Id")
+    p.add_argument("--share-group", action="append", default=[], metavar="TENANT=GROUP",
+                   help="tenants in one group share prefix blocks (repeatable)")
+    p.add_argument("--salt-secret", default=os.environ.get("KVSERVE_SALT_SECRET", "kvserve"),
+                   help="mixed into tenant salts (env KVSERVE_SALT_SECRET)")
+
+
+def _settings(args: argparse.Namespace, workers: list[str]) -> GatewaySettings:
+    return GatewaySettings(
+        workers=tuple(w.rstrip("/") for w in workers), policy=args.policy,
+        max_in_flight=args.max_in_flight, max_queued=args.max_queued,
+        queue_timeout_s=args.queue_timeout, retry_ratio=args.retry_ratio,
+        tenancy=Tenancy.from_specs(args.share_group, args.tenant_header, args.salt_secret),
+    )
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    g = sub.add_parser("gateway", help="cache-aware gateway in front of OpenAI-compatible workers")
+    g.add_argument("--worker", action="append", required=True, metavar="URL",
+                   help="a worker's base URL (repeatable): kvserve, vLLM or SGLang")
+    _add_gateway_arguments(g)
+    g.set_defaults(func=run_gateway)
+
+    u = sub.add_parser("up", help="N local kvserve workers and the gateway, one command")
+    u.add_argument("--workers", type=int, default=2, help="number of local workers")
+    u.add_argument("--model", default=None, help="HF id or local path (default: demo model)")
+    u.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for each `kvserve serve` (repeatable)")
+    _add_gateway_arguments(u)
+    u.set_defaults(func=run_up)
+
+
+def run_gateway(args: argparse.Namespace) -> int:
+    try:
+        app = create_gateway(_settings(args, args.worker))
+    except ValueError as exc:
+        Console(stderr=True).print(f"[red]cannot start: {exc}[/]", soft_wrap=True)
+        return 2
+    Console(stderr=True).print(f"[green]kvserve gateway[/] ({args.policy}) at "
+                               f"http://{args.host}:{args.port} → {', '.join(args.worker)}",
+                               soft_wrap=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def run_up(args: argparse.Namespace) -> int:
+    console = Console(stderr=True)
+    if args.workers < 1:
+        console.print("[red]--workers must be at least 1[/]")
+        return 2
+    ports = [free_port() for _ in range(args.workers)]
+    threads = max(1, (os.cpu_count() or 1) // args.workers)
+    procs = []
+    for port in ports:
+        cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port),
+               "--num-threads", str(threads), *args.worker_arg]
+        if args.model:
+            cmd += ["--model", args.model]
+        procs.append(subprocess.Popen(cmd))
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        with console.status(f"starting {args.workers} workers …"):
+            _wait_healthy(urls, procs, timeout_s=300)
+        app = create_gateway(_settings(args, urls))
+        gateway_url = f"http://{args.host}:{args.port}"
+        console.print(f"[green]kvserve up[/]: gateway ({args.policy}) at [bold]{gateway_url}"
+                      f"[/] → {', '.join(urls)}", soft_wrap=True)
+        console.print(f"try: curl {gateway_url}/v1/completions -H 'Content-Type: "
+                      "application/json' -H 'X-Tenant-Id: team-a' -d '{\"prompt\": \"Hello\", "
+                      "\"max_tokens\": 16}'", soft_wrap=True, highlight=False)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    except RuntimeError as exc:
+        console.print(f"[red]{exc}[/]", soft_wrap=True)
+        return 1
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    return 0
+
+
+def _wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]],
+                  timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    pending = set(urls)
+    while pending:
+        for url, proc in zip(urls, procs, strict=True):
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker {url} exited with {proc.returncode}")
+            if url in pending:
+                try:
+                    if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                        pending.discard(url)
+                except httpx.HTTPError:
+                    pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"workers not healthy after {timeout_s:.0f}s: {sorted(pending)}")
+        time.sleep(0.2)

@@ -1,0 +1,130 @@
+"""Sending one request upstream: pick a worker, open the response, fail over before first byte.
+
+A retry goes to the next worker in the policy's ranked order, only while nothing has reached the
+client, and only within the retry budget. A worker's 429/503 is backpressure (spill to the next
+worker), never a failure; a connection error counts toward ejecting the worker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvserve.gateway.metrics import GatewayMetrics
+from kvserve.gateway.policies import RouteDecision, RouteRequest, RoutingPolicy
+from kvserve.gateway.retry_budget import RetryBudget
+from kvserve.gateway.worker_pool import WorkerPool
+
+BACKPRESSURE = (429, 503)
+
+
+class NoWorkerAvailable(Exception):
+    """Every candidate failed or pushed back. Carries the last worker answer, if any."""
+
+    def __init__(self, message: str, status: int = 503, body: bytes | None = None,
+                 retry_after: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+        self.retry_after = retry_after
+
+
+@dataclass(slots=True)
+class Upstream:
+    """An open upstream response; `close` must be called exactly once (it is idempotent)."""
+
+    worker_url: str
+    response: httpx.Response
+    decision: RouteDecision
+    pool: WorkerPool
+    closed: bool = False
+
+    async def read(self) -> bytes:
+        try:
+            return await self.response.aread()
+        finally:
+            await self.close()
+
+    async def iter_raw(self) -> AsyncIterator[bytes]:
+        """The body as it arrives; closing early closes the upstream connection, which the
+        worker sees as a disconnect (and aborts the request, freeing its blocks)."""
+        try:
+            async for chunk in self.response.aiter_raw():
+                yield chunk
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.pool.get(self.worker_url).in_flight -= 1
+            await self.response.aclose()
+
+
+class Forwarder:
+    """Routes with `policy` over `pool` and opens upstream responses with `client`."""
+
+    def __init__(self, pool: WorkerPool, policy: RoutingPolicy, client: httpx.AsyncClient,
+                 budget: RetryBudget, metrics: GatewayMetrics, policy_name: str,
+                 request_timeout_s: float | None) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.client = client
+        self.budget = budget
+        self.metrics = metrics
+        self.policy_name = policy_name
+        self.timeout = httpx.Timeout(request_timeout_s, connect=5.0)
+
+    async def open(self, path: str, body: dict[str, Any], headers: dict[str, str],
+                   route: RouteRequest, started: float) -> Upstream:
+        """The first worker (in ranked order) that accepts the request."""
+        now = time.monotonic()
+        self.budget.on_request(now)
+        decision = self.policy.route(route, self.pool.views(now))
+        candidates = [decision.worker_id] + [u for u in decision.ranked
+                                             if u != decision.worker_id]
+        last: NoWorkerAvailable | None = None
+        for attempt, url in enumerate(candidates):
+            if attempt > 0:
+                if not self.pool.get(url).view(now).healthy:
+                    continue
+                if not self.budget.try_spend(time.monotonic()):
+                    self.metrics.retry_denied.inc()
+                    break
+                self.metrics.retries.labels("backpressure" if last and last.status in
+                                            BACKPRESSURE else "error").inc()
+            worker = self.pool.get(url)
+            worker.in_flight += 1
+            if attempt == 0:
+                self.metrics.added_latency.observe(time.monotonic() - started)
+            try:
+                request = self.client.build_request("POST", f"{url}{path}", json=body,
+                                                    headers=headers, timeout=self.timeout)
+                response = await self.client.send(request, stream=True)
+            except httpx.HTTPError as exc:
+                worker.in_flight -= 1
+                self.pool.record_failure(url, f"{type(exc).__name__}: {exc}", time.monotonic())
+                self.metrics.upstream_errors.labels(url, type(exc).__name__).inc()
+                last = NoWorkerAvailable(f"worker {url} unreachable: {type(exc).__name__}")
+                continue
+            if response.status_code in BACKPRESSURE:
+                content = await response.aread()
+                await response.aclose()
+                worker.in_flight -= 1
+                self.pool.record_backpressure(url)
+                last = NoWorkerAvailable(f"worker {url} is saturated", response.status_code,
+                                         content, response.headers.get("retry-after"))
+                continue
+            self.pool.record_success(url)
+            worker.requests += 1
+            self.policy.observe(route, url)
+            branch = decision.branch if attempt == 0 else "failover"
+            self.metrics.requests.labels(url, str(branch), self.policy_name).inc()
+            if attempt == 0:
+                self.metrics.predicted_hit_blocks.inc(decision.predicted_hit_blocks)
+            return Upstream(url, response, decision, self.pool)
+        raise last or NoWorkerAvailable("no healthy worker")

@@ -1,0 +1,84 @@
+"""Gateway metrics: decisions per worker and branch, retries, spills, rejections, added
+latency, and predicted vs achieved prefix hits (achieved from the workers' own counters)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvserve.gateway.admission import Admission
+from kvserve.gateway.retry_budget import RetryBudget
+from kvserve.gateway.worker_pool import WorkerPool
+
+ADDED_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                         5.0, 10.0)
+
+
+class PoolCollector(Collector):
+    """Per-worker state and the fleet's achieved prefix hit rate, read at scrape time."""
+
+    def __init__(self, pool: WorkerPool, admission: Admission, budget: RetryBudget) -> None:
+        self.pool = pool
+        self.admission = admission
+        self.budget = budget
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        healthy = GaugeMetricFamily("kvserve:gateway_worker_healthy", "1 if the worker takes "
+                                    "traffic.", labels=["worker"])
+        in_flight = GaugeMetricFamily("kvserve:gateway_worker_in_flight", "Requests the gateway "
+                                      "has open on the worker.", labels=["worker"])
+        waiting = GaugeMetricFamily("kvserve:gateway_worker_waiting", "The worker's queue, as "
+                                    "last scraped.", labels=["worker"])
+        hit_rate = GaugeMetricFamily("kvserve:gateway_worker_prefix_hit_rate", "The worker's "
+                                     "prefix-cache hit rate (its own counters).",
+                                     labels=["worker"])
+        hits = queries = 0.0
+        for w in self.pool.workers.values():
+            healthy.add_metric([w.url], 1.0 if w.healthy else 0.0)
+            in_flight.add_metric([w.url], w.in_flight)
+            waiting.add_metric([w.url], w.num_waiting)
+            hit_rate.add_metric([w.url], w.prefix_hits / w.prefix_queries
+                                if w.prefix_queries else 0.0)
+            hits += w.prefix_hits
+            queries += w.prefix_queries
+        yield from (healthy, in_flight, waiting, hit_rate)
+        fleet = GaugeMetricFamily("kvserve:gateway_fleet_prefix_hit_rate", "Prefix-cache hit "
+                                  "rate over all workers (achieved).")
+        fleet.add_metric([], hits / queries if queries else 0.0)
+        yield fleet
+        queued = GaugeMetricFamily("kvserve:gateway_queued_requests", "Requests waiting for "
+                                   "admission.")
+        queued.add_metric([], self.admission.queued)
+        yield queued
+        balance = GaugeMetricFamily("kvserve:gateway_retry_budget_balance", "Retries available.")
+        balance.add_metric([], self.budget.balance)
+        yield balance
+
+
+class GatewayMetrics:
+    """The gateway's registry (one per app)."""
+
+    def __init__(self, pool: WorkerPool, admission: Admission, budget: RetryBudget) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        reg = self.registry
+        reg.register(PoolCollector(pool, admission, budget))
+        self.requests = Counter("kvserve:gateway_requests", "Requests routed, by worker and "
+                                "decision branch.", ["worker", "branch", "policy"], registry=reg)
+        self.retries = Counter("kvserve:gateway_retries", "Requests re-sent to another worker "
+                               "before the first byte.", ["reason"], registry=reg)
+        self.retry_denied = Counter("kvserve:gateway_retry_budget_exhausted", "Retries refused "
+                                    "by the retry budget.", registry=reg)
+        self.rejections = Counter("kvserve:gateway_rejections", "Requests answered 429/503 by "
+                                  "the gateway.", ["reason"], registry=reg)
+        self.upstream_errors = Counter("kvserve:gateway_upstream_errors", "Failed upstream "
+                                       "attempts.", ["worker", "kind"], registry=reg)
+        self.predicted_hit_blocks = Counter("kvserve:gateway_predicted_hit_blocks", "Prefix "
+                                            "blocks the policy expected the worker to hold.",
+                                            registry=reg)
+        self.added_latency = Histogram("kvserve:gateway_added_latency_seconds", "Time spent in "
+                                       "the gateway before the request went upstream (parse, "
+                                       "admission, routing).", buckets=ADDED_LATENCY_BUCKETS,
+                                       registry=reg)

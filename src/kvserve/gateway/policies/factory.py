@@ -1,0 +1,45 @@
+"""`make_policy`: a routing policy by name, with its options checked at the boundary."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from kvserve.gateway.policies.base import RoutingPolicy
+from kvserve.gateway.policies.cache_aware import CacheAwarePolicy
+from kvserve.gateway.policies.least_load import LeastLoadPolicy
+from kvserve.gateway.policies.precise import PrecisePolicy
+from kvserve.gateway.policies.prefix_hash import PrefixHashPolicy
+from kvserve.gateway.policies.round_robin import RoundRobinPolicy
+
+POLICIES: Mapping[str, Callable[..., RoutingPolicy]] = MappingProxyType(
+    {
+        RoundRobinPolicy.name: RoundRobinPolicy,
+        LeastLoadPolicy.name: LeastLoadPolicy,
+        PrefixHashPolicy.name: PrefixHashPolicy,
+        CacheAwarePolicy.name: CacheAwarePolicy,
+        PrecisePolicy.name: PrecisePolicy,
+    }
+)
+"""Every policy by name (read-only)."""
+
+POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
+"""The valid `make_policy` names (for a CLI's choices)."""
+
+
+def make_policy(name: str, **options: Any) -> RoutingPolicy:
+    """A new policy instance. Raises ValueError naming the valid choices when the name or an
+    option is unknown, or when an option's value is out of range."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}")
+    accepted = list(inspect.signature(factory).parameters)
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"policy {name!r} has no option {', '.join(unknown)}; "
+            f"its options are: {', '.join(accepted) or '(none)'}"
+        )
+    return factory(**options)

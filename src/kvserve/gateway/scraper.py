@@ -1,0 +1,86 @@
+"""Load signals: each worker's /health and /metrics, polled every `interval_s`.
+
+Reads the vLLM-named series every OpenAI-compatible worker we front exports (kvserve's and
+vLLM's; SGLang's under its own names where they differ), so the policies see queue depth and KV
+usage with at most one interval of staleness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve.gateway.worker_pool import WorkerPool, WorkerState
+
+# metric family name (as the parser reports it) -> WorkerState field
+_SERIES = {
+    "vllm:num_requests_running": "num_running",
+    "vllm:num_requests_waiting": "num_waiting",
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:prefix_cache_queries": "prefix_queries",
+    "vllm:prefix_cache_hits": "prefix_hits",
+    "sglang:num_running_reqs": "num_running",
+    "sglang:num_queue_reqs": "num_waiting",
+}
+
+
+def apply_metrics(worker: WorkerState, text: str) -> None:
+    """Update `worker` from a Prometheus text exposition (sums over label sets)."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        field = _SERIES.get(family.name)
+        if field is None:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith(("_created", "_bucket", "_sum", "_count")):
+                continue
+            totals[field] = totals.get(field, 0.0) + sample.value
+    worker.num_running = int(totals.get("num_running", worker.num_running))
+    worker.num_waiting = int(totals.get("num_waiting", worker.num_waiting))
+    worker.kv_usage = totals.get("kv_usage", worker.kv_usage)
+    worker.prefix_queries = totals.get("prefix_queries", worker.prefix_queries)
+    worker.prefix_hits = totals.get("prefix_hits", worker.prefix_hits)
+
+
+class Scraper:
+    """Polls every worker; runs as one background task on the gateway's event loop."""
+
+    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, interval_s: float = 1.0):
+        self.pool = pool
+        self.client = client
+        self.interval_s = interval_s
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def scrape_once(self) -> None:
+        await asyncio.gather(*(self._scrape(w) for w in self.pool.workers.values()))
+
+    async def _run(self) -> None:
+        while True:
+            await self.scrape_once()
+            await asyncio.sleep(self.interval_s)
+
+    async def _scrape(self, worker: WorkerState) -> None:
+        now = time.monotonic()
+        try:
+            health = await self.client.get(f"{worker.url}/health", timeout=2.0)
+            ok = health.status_code == 200
+            error = None if ok else f"/health answered {health.status_code}"
+            self.pool.record_health(worker.url, ok, now, error)
+            if ok:
+                metrics = await self.client.get(f"{worker.url}/metrics", timeout=2.0)
+                if metrics.status_code == 200:
+                    apply_metrics(worker, metrics.text)
+                    worker.last_scrape = now
+        except (httpx.HTTPError, ValueError) as exc:
+            self.pool.record_health(worker.url, False, now, f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,101 @@
+"""The gateway's view of its workers: health, in-flight counts, scraped load, ejection.
+
+A worker is ejected after consecutive connection failures and comes back after a backoff that
+doubles each time (capped); a 429/503 from a worker is backpressure, never a failure, so a busy
+worker is never ejected for being busy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.gateway.policies import WorkerView
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """Everything the gateway knows about one worker (mutated on the event loop only)."""
+
+    url: str
+    healthy: bool = True
+    in_flight: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    consecutive_failures: int = 0
+    ejected_until: float = 0.0
+    backoff_s: float = 0.0
+    requests: int = 0
+    failures: int = 0
+    backpressure: int = 0
+    last_error: str | None = None
+    last_scrape: float = 0.0
+
+    def view(self, now: float) -> WorkerView:
+        return WorkerView(
+            worker_id=self.url,
+            healthy=self.healthy and now >= self.ejected_until,
+            in_flight=self.in_flight,
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            kv_usage=self.kv_usage,
+        )
+
+
+@dataclass(slots=True)
+class WorkerPool:
+    """All workers, with the ejection policy."""
+
+    urls: list[str]
+    eject_after_failures: int = 3
+    base_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    workers: dict[str, WorkerState] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("the gateway needs at least one --worker URL")
+        self.workers = {url: WorkerState(url.rstrip("/")) for url in self.urls}
+
+    def views(self, now: float) -> list[WorkerView]:
+        return [w.view(now) for w in self.workers.values()]
+
+    def get(self, url: str) -> WorkerState:
+        return self.workers[url]
+
+    def record_success(self, url: str) -> None:
+        worker = self.workers[url]
+        worker.consecutive_failures = 0
+        worker.backoff_s = 0.0
+        worker.healthy = True
+
+    def record_backpressure(self, url: str) -> None:
+        self.workers[url].backpressure += 1
+
+    def record_failure(self, url: str, error: str, now: float) -> None:
+        """A connection-level failure; enough in a row eject the worker for a backoff."""
+        worker = self.workers[url]
+        worker.failures += 1
+        worker.consecutive_failures += 1
+        worker.last_error = error
+        if worker.consecutive_failures >= self.eject_after_failures:
+            self._eject(worker, now)
+
+    def record_health(self, url: str, ok: bool, now: float, error: str | None = None) -> None:
+        """An active health check result: a failed check ejects at once; a passing one readmits
+        the worker once its backoff has passed."""
+        worker = self.workers[url]
+        if ok:
+            worker.healthy = True
+            if now >= worker.ejected_until:
+                worker.consecutive_failures = 0
+        else:
+            worker.last_error = error
+            self._eject(worker, now)
+
+    def _eject(self, worker: WorkerState, now: float) -> None:
+        worker.healthy = False
+        worker.backoff_s = min(self.max_backoff_s, max(self.base_backoff_s, worker.backoff_s * 2))
+        worker.ejected_until = now + worker.backoff_s
