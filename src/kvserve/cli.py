@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from kvserve import __version__
-from kvserve.bench import kvcache_cli, serve_cli
+from kvserve.bench import kvcache_cli
 from kvserve.gateway import command as gateway_command
 from kvserve.server import command as serve_command
 
@@ -21,7 +21,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks, side by side with peers")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     kvcache_cli.add_parser(benches)
-    serve_cli.add_parser(benches)
     serve_command.add_parser(commands)
     gateway_command.add_parsers(commands)
     return parser
