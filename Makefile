@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SHARED ?= ../shared
 TRACE ?= $(SHARED)/traces/mooncake/synthetic_trace.jsonl
 
-.PHONY: run test lint venv clean
+.PHONY: run test lint venv clean bench-kvcache
 
 venv: $(VENV)/.installed
 
@@ -18,9 +18,17 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $@
 
-# The main job. Until the engine lands it replays the Mooncake trace through the KV cache
-# (a synthetic multi-tenant trace where ../shared is absent).
+# The main job: two local kvserve workers on the built-in demo model behind the cache-aware
+# gateway (Ctrl-C stops all three). WORKERS, POLICY and PORT can be overridden.
+WORKERS ?= 2
+POLICY ?= prefix_hash
+PORT ?= 8080
 run: venv
+	$(BIN)/kvserve up --workers $(WORKERS) --policy $(POLICY) --port $(PORT)
+
+# The KV-cache replay benchmark on the Mooncake trace (a synthetic multi-tenant trace where
+# ../shared is absent).
+bench-kvcache: venv
 	@if [ -f "$(TRACE)" ]; then \
 		$(BIN)/kvserve bench kvcache --trace $(TRACE) --capacity-tokens 1000000 10000000; \
 	else \
