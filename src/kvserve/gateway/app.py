@@ -4,6 +4,7 @@ and /workers. Stateless across replicas: the routing policy needs no shared stat
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -51,6 +52,24 @@ def _error(status: int, message: str, err_type: str = "invalid_request_error",
                                    "code": status}}, status_code=status, headers=headers)
 
 
+def _parse_json(raw: bytes) -> Any:
+    """Strict JSON: NaN, Infinity and overflowing floats are refused here (the gateway could not
+    forward them as JSON), and so is nesting too deep to parse; each raises ValueError."""
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"number {text} is out of range")
+        return value
+
+    def constant(name: str) -> float:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(raw, parse_float=finite, parse_constant=constant)
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply") from None
+
+
 def create_gateway(settings: GatewaySettings) -> FastAPI:
     pool = WorkerPool(list(settings.workers))
     policy = make_policy(settings.policy)
@@ -74,14 +93,22 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
     app = FastAPI(title="kvserve gateway", lifespan=lifespan)
 
     async def proxy(request: Request, path: str) -> Response:
+        response = await _proxy(request, path)
+        request_id = request.headers.get("x-request-id")
+        if request_id:  # echoed, as the workers do, so callers can correlate
+            response.headers["x-request-id"] = request_id
+        return response
+
+    async def _proxy(request: Request, path: str) -> Response:
         started = time.monotonic()
         raw = await request.body()
         if len(raw) > settings.max_body_bytes:
             return _error(413, f"request body exceeds {settings.max_body_bytes} bytes")
         try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            return _error(400, "the request body is not valid JSON: send a JSON object (UTF-8)")
+            body = _parse_json(raw)
+        except ValueError as exc:  # UnicodeDecodeError included
+            return _error(400, f"the request body is not valid JSON ({exc}): send a JSON object "
+                          "(UTF-8)")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
         _, salt = settings.tenancy.resolve(request.headers)

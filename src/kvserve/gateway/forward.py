@@ -111,10 +111,18 @@ class Forwarder:
                 self.metrics.upstream_errors.labels(url, type(exc).__name__).inc()
                 last = NoWorkerAvailable(f"worker {url} unreachable: {type(exc).__name__}")
                 continue
-            if response.status_code in BACKPRESSURE:
-                content = await response.aread()
-                await response.aclose()
+            except BaseException:  # cancelled, or a body httpx cannot encode: no request is open
                 worker.in_flight -= 1
+                raise
+            if response.status_code in BACKPRESSURE:
+                content: bytes | None = None  # unreadable: the gateway answers for it
+                try:
+                    content = await response.aread()
+                except httpx.HTTPError:
+                    pass
+                finally:
+                    await response.aclose()
+                    worker.in_flight -= 1
                 self.pool.record_backpressure(url)
                 last = NoWorkerAvailable(f"worker {url} is saturated", response.status_code,
                                          content, response.headers.get("retry-after"))
