@@ -84,13 +84,15 @@ class WorkerPool:
             self._eject(worker, now)
 
     def record_health(self, url: str, ok: bool, now: float, error: str | None = None) -> None:
-        """An active health check result: a failed check ejects at once; a passing one readmits
-        the worker once its backoff has passed."""
+        """An active health check result: a failed check ejects at once (backoff doubling while
+        it keeps failing); a passing one is strong evidence, so the worker is readmitted within
+        one base backoff and its backoff resets (a restarted worker is back in seconds)."""
         worker = self.workers[url]
         if ok:
             worker.healthy = True
-            if now >= worker.ejected_until:
-                worker.consecutive_failures = 0
+            worker.ejected_until = min(worker.ejected_until, now + self.base_backoff_s)
+            worker.backoff_s = 0.0
+            worker.consecutive_failures = 0
         else:
             worker.last_error = error
             self._eject(worker, now)
