@@ -51,7 +51,25 @@ class GatedMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
 
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """Compute gate and up in one matmul. The two weights become views of one tensor, so
+        values (and memory) are unchanged; call after the weights are loaded and placed."""
+        weight = torch.cat([self.gate_proj.weight, self.up_proj.weight])  # [2 * inter, hidden]
+        size = self.gate_proj.weight.shape[0]
+        self.gate_proj.weight.data, self.up_proj.weight.data = weight[:size], weight[size:]
+        bias = None
+        if self.gate_proj.bias is not None and self.up_proj.bias is not None:
+            bias = torch.cat([self.gate_proj.bias, self.up_proj.bias])  # [2 * inter]
+            self.gate_proj.bias.data, self.up_proj.bias.data = bias[:size], bias[size:]
+        self.gate_up = (weight, bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]."""
-        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return out
+        if self.gate_up is None:
+            out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return out
+        gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)  # [num_tokens, inter] each
+        fused: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        return fused

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.attention_metadata import AttentionMetadata
@@ -44,14 +45,36 @@ class Attention(nn.Module):
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **kw)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **kw)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """Compute q, k and v in one matmul; the three weights become views of one tensor
+        (values and memory unchanged). Call after the weights are loaded and placed."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([p.weight for p in projs])  # [q_size + 2 * kv_size, hidden]
+        bias = torch.cat([p.bias for p in projs]) if projs[0].bias is not None else None
+        offset = 0
+        for proj in projs:
+            rows = proj.weight.shape[0]
+            proj.weight.data = weight[offset : offset + rows]
+            if bias is not None and proj.bias is not None:
+                proj.bias.data = bias[offset : offset + rows]
+            offset += rows
+        self.qkv = (weight, bias)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """hidden [num_tokens, hidden]; cos/sin [num_tokens, hd] -> [num_tokens, hidden]."""
         num_tokens = hidden.shape[0]
-        q = self.q_proj(hidden).view(num_tokens, self.num_heads, self.head_dim)  # [T, H, hd]
-        k = self.k_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
-        v = self.v_proj(hidden).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
+        if self.qkv is not None:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q_flat, k_flat, v_flat = F.linear(hidden, *self.qkv).split(
+                [q_size, kv_size, kv_size], dim=-1)  # [T, q_size], [T, kv_size] x 2
+        else:
+            q_flat, k_flat, v_flat = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        q = q_flat.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, H, hd]
+        k = k_flat.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
+        v = v_flat.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -123,6 +146,13 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderModel(config, **kw)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
         self.tie_weights()
+
+    def fuse_projections(self) -> None:
+        """Serve q/k/v and gate/up from one matmul each (fewer, larger matmuls: what CPUs and
+        GPUs run fastest). Values are unchanged; call once, after loading."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
 
     def tie_weights(self) -> None:
         """Share lm_head's weight with the embeddings when the config ties them (idempotent)."""

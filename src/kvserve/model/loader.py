@@ -61,6 +61,7 @@ def load_model(model: str | os.PathLike[str], *, device: torch.device | str = "c
     network.tie_weights()
     load_weights(network, path)
     network.eval().requires_grad_(False)
+    network.fuse_projections()
     return LoadedModel(path=path, config=config, model=network,
                        eos_token_ids=read_eos_token_ids(path, config), dtype=dtype, device=device)
 

@@ -52,14 +52,24 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = config.head_dim
         self._inv_freq = compute_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self._cos = torch.empty(0, config.head_dim)  # [cached positions, head_dim] float32
+        self._sin = torch.empty(0, config.head_dim)  # [cached positions, head_dim] float32
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [num_tokens] int -> (cos, sin), each [num_tokens, head_dim] float32."""
-        if self._inv_freq.device != positions.device:
-            self._inv_freq = self._inv_freq.to(positions.device)
-        angles = positions.to(torch.float32)[:, None] * self._inv_freq[None, :]  # [T, hd/2]
-        angles = torch.cat((angles, angles), dim=-1)  # [num_tokens, head_dim]
-        return angles.cos(), angles.sin()
+        """positions [num_tokens] int -> (cos, sin), each [num_tokens, head_dim] float32.
+
+        Rows come from a table computed once per position range (grown by doubling), so a
+        step costs one gather instead of trig over every token."""
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if needed > self._cos.shape[0] or self._cos.device != positions.device:
+            self._grow(max(needed, 2 * self._cos.shape[0], 256), positions.device)
+        return self._cos[positions], self._sin[positions]
+
+    def _grow(self, size: int, device: torch.device) -> None:
+        inv_freq = self._inv_freq.to(device)
+        table = torch.arange(size, dtype=torch.float32, device=device)[:, None] * inv_freq
+        angles = torch.cat((table, table), dim=-1)  # [size, head_dim]
+        self._cos, self._sin = angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from kvserve.engine import SampledToken, SchedulerOutput
-from kvserve.model.attention_metadata import AttentionMetadata, compute_positions
+from kvserve.model.attention_metadata import AttentionMetadata
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import KVCache
 from kvserve.model.sampler import Sampler
@@ -39,25 +39,42 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
         # Invariant: row r of the flattened batch is token `start + j` of its sequence, and its
         # K/V lands in the slot its block table names for that position.
+        # Built with plain Python lists and one tensor each: per-step overhead stays small next
+        # to the model for decode-heavy batches of many short queries.
+        bs = self.block_size
         input_ids: list[int] = []
-        query_lens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start = [0]
         seq_lens: list[int] = []
-        tables: list[tuple[int, ...]] = []
         sample_rows: list[int] = []
         sample_requests = []
         for item in output.scheduled:
+            start, end = item.start, item.start + item.num_new_tokens
+            table = item.block_table
             input_ids.extend(item.token_ids)
-            query_lens.append(item.num_new_tokens)
-            seq_lens.append(item.start + item.num_new_tokens)
-            tables.append(item.block_table)
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            query_start.append(len(input_ids))
+            seq_lens.append(end)
             if item.sample:
                 sample_rows.append(len(input_ids) - 1)
                 sample_requests.append(item.request)
-        meta = AttentionMetadata.from_lists(query_lens, seq_lens, tables, self.block_size,
-                                            self.device)
-        positions = compute_positions(query_lens, seq_lens, self.device)  # [num_tokens]
-        tokens = torch.tensor(input_ids, dtype=torch.long, device=self.device)  # [num_tokens]
-        hidden = self.model(tokens, positions, self.kv_caches, meta)  # [num_tokens, hidden]
+        width = max(len(item.block_table) for item in output.scheduled)
+        tables = [list(item.block_table) + [0] * (width - len(item.block_table))
+                  for item in output.scheduled]
+        device = self.device
+        meta = AttentionMetadata(
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_cpu=tuple(query_start),
+            seq_lens_cpu=tuple(seq_lens),
+        )
+        tokens = torch.tensor(input_ids, dtype=torch.long, device=device)  # [num_tokens]
+        pos = torch.tensor(positions, dtype=torch.long, device=device)  # [num_tokens]
+        hidden = self.model(tokens, pos, self.kv_caches, meta)  # [num_tokens, hidden]
         if not sample_rows:
             return {}
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
