@@ -143,7 +143,7 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
     """cache [num_blocks, bs, kv_heads, hd], block_table [max_blocks] -> [seq_len, kv_heads, hd]."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    blocks = cache[block_table[:num_blocks]]  # [num_blocks, bs, kv_heads, hd]
+    blocks = cache.index_select(0, block_table[:num_blocks])  # [num_blocks, bs, kv_heads, hd]
     return blocks.flatten(0, 1)[:seq_len]
 
 
@@ -154,10 +154,11 @@ def _decode_attention(query: torch.Tensor, kv_cache: KVCache, plan: DecodeBatch,
     num_blocks = -(-plan.max_seq_len // block_size)
     tables = plan.block_tables[:, :num_blocks]  # [D, num_blocks]
     num_decodes = tables.shape[0]
-    keys = kv_cache.key_cache[tables].view(num_decodes, num_blocks * block_size,
-                                           *kv_cache.key_cache.shape[2:])
-    values = kv_cache.value_cache[tables].view(num_decodes, num_blocks * block_size,
-                                               *kv_cache.value_cache.shape[2:])
+    flat = tables.reshape(-1)  # [D * num_blocks]; index_select copies faster than fancy indexing
+    keys = kv_cache.key_cache.index_select(0, flat).view(
+        num_decodes, num_blocks * block_size, *kv_cache.key_cache.shape[2:])
+    values = kv_cache.value_cache.index_select(0, flat).view(
+        num_decodes, num_blocks * block_size, *kv_cache.value_cache.shape[2:])
     keys = keys[:, : plan.max_seq_len].transpose(1, 2)  # [D, kv_heads, max_seq_len, hd]
     values = values[:, : plan.max_seq_len].transpose(1, 2)  # [D, kv_heads, max_seq_len, hd]
     mask = plan.mask(sliding_window)[:, None, None, :]  # [D, 1, 1, max_seq_len]
