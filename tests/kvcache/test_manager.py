@@ -300,3 +300,20 @@ def test_chained_hashes_equal_block_by_block_hashing():
         parent = hash_block(parent, encode_tokens(toks[4 * i : 4 * i + 4]), extra)
         expected.append(parent)
     assert hashes == expected and chunks[1] == encode_tokens(toks[4:8])
+
+
+def test_blocks_being_computed_are_announced_until_committed_or_freed():
+    m = KVCacheManager(16, BS)
+    prompt = tokens(0, 13)  # three full blocks
+    m.add_request("first", prompt)
+    assert m.allocate_slots("first", 13) is not None
+    m.add_request("second", prompt)
+    pending = m.lookup("second")
+    assert (pending.num_tokens, pending.num_pending_tokens) == (0, 12)
+    m.commit("first", 8)  # two blocks written: they are hits now, the third is still pending
+    hit = m.lookup("second")
+    assert (hit.num_tokens, hit.num_pending_tokens) == (8, 4)
+    assert m.audit().ok
+    m.free("first", FreeReason.ABORTED)  # never finished: nothing is pending any more
+    assert m.lookup("second").num_pending_tokens == 0 and not m.pending
+    assert m.audit(live_request_ids={"second"}).ok

@@ -129,21 +129,22 @@ class Scheduler:
             budget -= num_new
             idx += 1
 
-        prefilling_groups = {r.group_id for r in self.running if r.group_id and r.is_prefilling}
         skipped: list[Request] = []
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
-            if request.group_id is not None and request.group_id in prefilling_groups:
-                # A sibling is computing the shared prompt; wait and hit its blocks instead.
-                skipped.append(self.waiting.popleft())
-                continue
             kv = self.kv_cache
             if not kv.has_request(request.request_id):
                 kv.add_request(request.request_id, request.all_token_ids,
                                cache_salt=request.cache_salt)
             hit = kv.lookup(request.request_id)
+            if hit.num_pending_tokens:
+                # Another running request is computing this prompt's next blocks (an n > 1
+                # sibling, a burst sharing a system prompt): wait and hit them, rather than
+                # computing them twice. Later requests may go first meanwhile.
+                skipped.append(self.waiting.popleft())
+                continue
             num_new = min(request.num_tokens - hit.num_tokens, budget)
             if kv.allocate_slots(request.request_id, num_new, hit) is None:
                 break  # first come, first served: nobody overtakes the head of the queue
@@ -153,8 +154,6 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit.num_tokens
             self.running.append(request)
-            if request.group_id is not None:
-                prefilling_groups.add(request.group_id)
             scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))

@@ -7,7 +7,7 @@ structured report naming each culprit: the block, the request, the expected and 
 from __future__ import annotations
 
 import enum
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 from kvserve.kvcache.block_pool import BlockPool
@@ -26,6 +26,7 @@ class ViolationKind(enum.Enum):
     EPOCH_MISMATCH = "epoch_mismatch"  # block reassigned under a live table
     UNCACHED_SHARE = "uncached_share"  # several tables list a block that caches nothing
     ORPHAN_BLOCK = "orphan_block"  # a cached block whose parent was evicted (invariant 8)
+    STALE_PENDING = "stale_pending"  # a block announced as in progress by a request that is not
     LEAK = "leak"  # blocks held by a request the engine no longer runs
     HELD_WHILE_IDLE = "held_while_idle"  # no live request, yet blocks are held
 
@@ -72,9 +73,12 @@ MAX_VIOLATIONS = 100  # a broken pool can break everywhere; the first hundred na
 
 
 def run_audit(
-    pool: BlockPool, ledger: Ledger, live_request_ids: Collection[str] | None = None
+    pool: BlockPool,
+    ledger: Ledger,
+    live_request_ids: Collection[str] | None = None,
+    pending: Mapping[bytes, str] | None = None,
 ) -> AuditReport:
-    """Audit `pool` against `ledger`. Never mutates either."""
+    """Audit `pool` against `ledger` (and the in-progress block announcements). Never mutates."""
     out: list[Violation] = []
 
     def fail(
@@ -189,6 +193,15 @@ def run_audit(
                 fail(ViolationKind.CROSS_TENANT_SHARE,
                      f"block {bid} was computed under salt {block.salt!r} but request {rid!r} "
                      f"reads it under salt {record.salt!r}", bid, rid)
+
+    # An in-progress announcement names a live request that really is computing that block.
+    for block_hash, owner in (pending or {}).items():
+        owner_record = ledger.get(owner)
+        if owner_record is None or block_hash not in owner_record.pending_hashes:
+            fail(ViolationKind.STALE_PENDING,
+                 f"block hash {block_hash.hex()[:12]} is announced as being computed by request "
+                 f"{owner!r}, which "
+                 f"{'is gone' if owner_record is None else 'does not compute it'}", None, owner)
 
     # 7. Leaks: the engine's live set is the truth; any other holder is a leak.
     if live_request_ids is not None:

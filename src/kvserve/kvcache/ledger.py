@@ -34,6 +34,7 @@ class RequestRecord:
     block_token_bytes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # served from the prefix cache at admission
+    pending_hashes: list[bytes] = field(default_factory=list)  # full blocks being computed
 
     @property
     def block_ids(self) -> list[int]:

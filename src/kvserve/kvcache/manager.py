@@ -52,6 +52,8 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.model_id = model_id
         self.ledger = Ledger()
+        # Full prompt blocks allocated to a live request but not yet committed: hash -> request.
+        self.pending: dict[bytes, str] = {}
         self._clock = clock
 
     # -- requests -------------------------------------------------------------------------
@@ -101,10 +103,16 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
+        num_pending = 0
+        for idx in range(len(hit), max_blocks):
+            if self.pending.get(record.block_hashes[idx]) in (None, request_id):
+                break
+            num_pending += 1
         return PrefixHit(
             block_ids=tuple(b.block_id for b in hit),
             epochs=tuple(b.epoch for b in hit),
             num_tokens=len(hit) * self.block_size,
+            num_pending_tokens=num_pending * self.block_size,
         )
 
     def allocate_slots(
@@ -156,6 +164,8 @@ class KVCacheManager:
         if is_admission and self.enable_prefix_caching:
             self.counters.prefix_queries_tokens += len(record.token_ids)
             self.counters.prefix_hits_tokens += record.num_cached_tokens
+        if self.enable_prefix_caching:
+            self._mark_pending(record)
         record.last_active = self._clock()
         return SlotAllocation(tuple(b.block_id for b in new_blocks), record.num_cached_tokens)
 
@@ -174,6 +184,8 @@ class KVCacheManager:
         first_new_full = record.num_computed_tokens // self.block_size
         num_full = num_computed_tokens // self.block_size
         record.num_computed_tokens = num_computed_tokens
+        if record.pending_hashes:
+            self._unmark_pending(record, record.block_hashes[first_new_full:num_full])
         record.last_active = self._clock()
         if not self.enable_prefix_caching or num_full <= first_new_full:
             return
@@ -202,6 +214,7 @@ class KVCacheManager:
         if record is None:
             self.counters.redundant_frees += 1
             return 0
+        self._unmark_pending(record, list(record.pending_hashes))
         # Deepest block first, so a surviving prefix is always a contiguous head.
         self.pool.free(reversed(record.block_table))
         num_blocks = len(record.block_table)
@@ -246,7 +259,7 @@ class KVCacheManager:
         With `live_request_ids` (the engine's view), a ledger entry for any other request is a
         leak. The report is structured; it never raises.
         """
-        report = run_audit(self.pool, self.ledger, live_request_ids)
+        report = run_audit(self.pool, self.ledger, live_request_ids, self.pending)
         self.counters.audit_runs += 1
         if not report.ok:
             self.counters.audit_failures += 1
@@ -316,6 +329,29 @@ class KVCacheManager:
         if record is None:
             raise UnknownRequest(f"request {request_id!r} is not in the cache (not added or freed)")
         return record
+
+    def _mark_pending(self, record: RequestRecord) -> None:
+        """Announce the full blocks this request was given room for and will now compute
+        (hashes known from its lookup), unless cached or already announced by someone."""
+        first = record.num_computed_tokens // self.block_size
+        last = min(len(record.block_table), len(record.token_ids) // self.block_size)
+        self._ensure_hashes(record, last)
+        owned = set(record.pending_hashes)
+        for idx in range(first, last):
+            block_hash = record.block_hashes[idx]
+            if block_hash in owned or block_hash in self.pool.cached:
+                continue
+            if self.pending.setdefault(block_hash, record.request_id) == record.request_id:
+                record.pending_hashes.append(block_hash)
+
+    def _unmark_pending(self, record: RequestRecord, hashes: list[bytes]) -> None:
+        if not hashes:
+            return
+        gone = set(hashes)
+        for block_hash in gone:
+            if self.pending.get(block_hash) == record.request_id:
+                del self.pending[block_hash]
+        record.pending_hashes = [h for h in record.pending_hashes if h not in gone]
 
     def _adopt_cached_twin(self, record: RequestRecord, idx: int) -> None:
         """Block `idx` duplicates content another block already caches (two requests computed
