@@ -183,7 +183,8 @@ class AsyncEngine:
             return
         if output.finished:
             del self._streams[output.request_id]
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output)
+        # The engine keeps mutating its own output object; the stream gets a frozen copy.
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, output.snapshot())
 
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.pop(request_id, None)

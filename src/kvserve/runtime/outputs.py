@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvserve.engine import FinishReason, TokenLogprob
 
@@ -47,6 +47,12 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finished for o in self.outputs)
+
+    def snapshot(self) -> RequestOutput:
+        """A copy that later engine steps never change (what crosses to another thread)."""
+        outputs = [replace(o, token_ids=list(o.token_ids), logprobs=list(o.logprobs))
+                   for o in self.outputs]
+        return replace(self, outputs=outputs)
 
     @property
     def num_generated_tokens(self) -> int:

@@ -14,7 +14,7 @@ from kvserve.runtime import AsyncEngine
 from kvserve.server.debug import kv_report
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.formatting import ChatFormatter, CompletionFormatter
-from kvserve.server.limits import BodySizeLimit
+from kvserve.server.limits import BodySizeLimit, EchoRequestId
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.serving import SSE_DONE, Serving, sse
@@ -48,6 +48,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(EchoRequestId)
     install_error_handlers(app)
 
     def require_api_key(request: Request) -> None:
@@ -55,13 +56,6 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
 
     def require_admin_key(request: Request) -> None:
         _check_key(request, settings.admin_key or settings.api_key)
-
-    @app.middleware("http")
-    async def echo_request_id(request: Request, call_next):  # type: ignore[no-untyped-def]
-        response = await call_next(request)
-        if "x-request-id" in request.headers:
-            response.headers["X-Request-Id"] = request.headers["x-request-id"]
-        return response
 
     @app.get("/health")
     async def health() -> Response:

@@ -59,6 +59,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON: send a JSON object (UTF-8)", None
+    if param is None and first.get("type") == "value_error":
+        return f"invalid request body: {first.get('msg')}", None
     if param is None:
         return f"invalid request body: {first.get('msg')}; send a JSON object", None
     return f"invalid value for '{param}': {first.get('msg')}", param
@@ -82,6 +84,9 @@ def install_error_handlers(app: FastAPI) -> None:
         detail = exc.detail if isinstance(exc.detail, str) else phrase
         if exc.status_code == 404:
             detail = "no such route; see /v1/completions, /v1/chat/completions, /v1/models"
+        elif exc.status_code == 400 and detail == "There was an error parsing the body":
+            # FastAPI's words for a body json.loads refused (e.g. bytes that are not UTF-8).
+            detail = "the request body is not valid JSON: send a JSON object (UTF-8)"
         return error_response(exc.status_code, detail, "invalid_request_error")
 
     @app.exception_handler(ValueError)

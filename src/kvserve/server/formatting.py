@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvserve.engine import TokenLogprob
@@ -52,6 +53,40 @@ def chat_logprobs(tokenizer: Tokenizer, logprobs: Sequence[TokenLogprob]) -> dic
                         for lp in logprobs]}
 
 
+@dataclass(frozen=True, slots=True)
+class _Delta:
+    """What of one sample a stream has not sent yet."""
+
+    text: str
+    logprobs: Sequence[TokenLogprob]
+    has_new_tokens: bool
+    ended: bool
+
+
+class _StreamCursor:
+    """How much of each sample's cumulative output a stream has sent.
+
+    A streamed `RequestOutput` is the engine's live object: its `new_*` fields may already
+    belong to a later step when the server reads them, so deltas are taken from the cumulative
+    fields instead. `finish_reason` is read first: the engine sets it after the final text and
+    logprobs, so an ended sample's delta is complete.
+    """
+
+    def __init__(self) -> None:
+        self._sent: dict[Any, tuple[int, int, int]] = {}  # key -> (chars, tokens, logprobs)
+        self._ended: set[Any] = set()
+
+    def take(self, key: Any, c: CompletionOutput) -> _Delta:
+        reason = c.finish_reason
+        text, num_tokens, logprobs = c.text, len(c.token_ids), c.logprobs[:]
+        chars, tokens, lps = self._sent.get(key, (0, 0, 0))
+        self._sent[key] = (len(text), num_tokens, len(logprobs))
+        ended = reason is not None and key not in self._ended
+        if ended:
+            self._ended.add(key)
+        return _Delta(text[chars:], logprobs[lps:], num_tokens > tokens, ended)
+
+
 class CompletionFormatter:
     """Bodies for /v1/completions; choice index = prompt index * n + sample index."""
 
@@ -63,7 +98,7 @@ class CompletionFormatter:
         self.model = model
         self.n = n
         self.want_logprobs = want_logprobs
-        self._ended: set[tuple[int, int]] = set()
+        self._cursor = _StreamCursor()
 
     def _head(self) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
@@ -84,16 +119,14 @@ class CompletionFormatter:
     def chunk(self, prompt_idx: int, output: RequestOutput) -> dict[str, Any] | None:
         choices = []
         for c in output.outputs:
-            ended = c.finished and (prompt_idx, c.index) not in self._ended
-            if ended:
-                self._ended.add((prompt_idx, c.index))
-            if not (c.new_text or c.new_token_ids or ended):
+            delta = self._cursor.take((prompt_idx, c.index), c)
+            if not (delta.text or delta.has_new_tokens or delta.ended):
                 continue
             choices.append({
-                "index": prompt_idx * self.n + c.index, "text": c.new_text,
-                "logprobs": completion_logprobs(self.tokenizer, c.new_logprobs)
+                "index": prompt_idx * self.n + c.index, "text": delta.text,
+                "logprobs": completion_logprobs(self.tokenizer, delta.logprobs)
                 if self.want_logprobs else None,
-                "finish_reason": finish_reason(c) if ended else None,
+                "finish_reason": finish_reason(c) if delta.ended else None,
             })
         return self._head() | {"choices": choices} if choices else None
 
@@ -112,7 +145,7 @@ class ChatFormatter:
         self.model = model
         self.want_logprobs = want_logprobs
         self._role_sent: set[int] = set()
-        self._ended: set[int] = set()
+        self._cursor = _StreamCursor()
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -134,20 +167,18 @@ class ChatFormatter:
             if c.index not in self._role_sent:
                 delta["role"] = "assistant"
                 self._role_sent.add(c.index)
-            if c.new_text:
-                delta["content"] = c.new_text
-            ended = c.finished and c.index not in self._ended
-            if ended:
-                self._ended.add(c.index)
-            if not delta and not ended:
+            new = self._cursor.take(c.index, c)
+            logprobs = new.logprobs if self.want_logprobs else ()
+            if new.text or logprobs:  # a token may have logprobs before it has text
+                delta["content"] = new.text
+            if not delta and not new.ended:
                 continue
             if "content" not in delta and "role" in delta:
                 delta["content"] = ""
             choices.append({
                 "index": c.index, "delta": delta,
-                "logprobs": chat_logprobs(self.tokenizer, c.new_logprobs)
-                if self.want_logprobs and c.new_logprobs else None,
-                "finish_reason": finish_reason(c) if ended else None,
+                "logprobs": chat_logprobs(self.tokenizer, logprobs) if logprobs else None,
+                "finish_reason": finish_reason(c) if new.ended else None,
             })
         return self._head("chat.completion.chunk") | {"choices": choices} if choices else None
 

@@ -8,9 +8,35 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvserve.engine import SamplingParams
+
+MAX_N = 128  # OpenAI's limit; each sample is an engine request
+# Seeds seed a torch.Generator (64-bit); sample i of n uses seed + i.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+# Below this a temperature only overflows the logits: treat it as greedy (as vLLM does).
+MIN_SAMPLING_TEMPERATURE = 1e-5
+# top_p and repetition_penalty are applied in float32: smaller values round to 0 there.
+MIN_TOP_P = 1e-6
+MIN_REPETITION_PENALTY = 0.01
+
+
+def _check_unicode(value: Any) -> None:
+    """Raise ValueError for a string (anywhere in a JSON value) that is not valid Unicode: JSON
+    allows lone surrogates (\\ud800), tokenizers and templates do not."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"text must be valid Unicode (lone surrogate at {exc.start})") \
+                from None
+    elif isinstance(value, dict):
+        for item in value.values():
+            _check_unicode(item)
+    elif isinstance(value, list):
+        for item in value:
+            _check_unicode(item)
 
 
 class StreamOptions(BaseModel):
@@ -23,7 +49,7 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
@@ -31,18 +57,24 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     user: str | None = None
     # vLLM's extras
     top_k: int | None = None
     min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = Field(default=1.0, ge=MIN_REPETITION_PENALTY)
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_unicode(data)
+        return data
 
     @field_validator("stop")
     @classmethod
@@ -56,12 +88,18 @@ class _SamplingFields(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the parameter when a value is out of range."""
+        temperature = 1.0 if self.temperature is None else self.temperature
+        if 0.0 <= temperature < MIN_SAMPLING_TEMPERATURE:
+            temperature = 0.0
+        top_p = 1.0 if self.top_p is None else self.top_p
+        if 0.0 < top_p < MIN_TOP_P:
+            top_p = MIN_TOP_P
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=temperature,
+            top_p=top_p,
             top_k=self.top_k or 0,
             min_p=self.min_p,
             seed=self.seed,

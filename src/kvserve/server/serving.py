@@ -58,19 +58,14 @@ class Serving:
         self.capacity = scheduler_config.max_num_seqs + settings.max_waiting_requests
 
     def begin(self, raw: Request, model: str | None, cache_salt: str | None) -> Call:
-        """Check the model name and admission; raises APIError (404/429) otherwise."""
+        """Check the model name and the engine; raises APIError (404/503) otherwise.
+        Admission (429) is decided when the request's stream starts."""
         if model is not None and model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
                            f"{self.model_name!r} (see /v1/models)", param="model",
                            err_type="not_found_error")
         if not self.engine.is_running:
             raise APIError(503, "the engine is not running", err_type="service_unavailable")
-        if self.in_flight >= self.capacity:
-            self.metrics.rejected.labels(self.model_name, "queue_full").inc()
-            raise APIError(429, f"the server is saturated ({self.in_flight} requests in flight); "
-                           f"retry after {self.settings.retry_after_s}s",
-                           err_type="rate_limit_error",
-                           headers={"Retry-After": str(self.settings.retry_after_s)})
         header_id = raw.headers.get("x-request-id")
         request_id = header_id or uuid.uuid4().hex
         tenant = tenant_label(raw.headers.get("x-tenant-id"), cache_salt)
@@ -83,13 +78,23 @@ class Serving:
         params: SamplingParams,
         cache_salt: str | None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of every prompt as they come: (prompt index, output). Raises ValueError for a
-        prompt the engine refuses, before anything is yielded for it."""
+        """Outputs of every prompt as they come: (prompt index, output). Raises APIError (429)
+        when the server is saturated and ValueError for a prompt the engine refuses, before
+        anything is yielded for it."""
+        # Check and count in one step (no await between): a flood of requests that all passed
+        # the route's awaits together must not all be admitted.
+        if self.in_flight >= self.capacity:
+            self.metrics.rejected.labels(self.model_name, "queue_full").inc()
+            raise APIError(429, f"the server is saturated ({self.in_flight} requests in flight); "
+                           f"retry after {self.settings.retry_after_s}s",
+                           err_type="rate_limit_error",
+                           headers={"Retry-After": str(self.settings.retry_after_s)})
+        self.in_flight += len(prompts)
         deadline = None
         if self.settings.request_timeout_s is not None:
             deadline = time.monotonic() + self.settings.request_timeout_s
-        queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
-        self.in_flight += len(prompts)
+        # (idx, output) per engine output; then idx alone once that prompt's stream ended.
+        queue: asyncio.Queue[tuple[int, RequestOutput] | int | BaseException] = asyncio.Queue()
 
         async def pump(idx: int, prompt: str | list[int]) -> None:
             engine_id = f"{call.request_id}-{idx}-{uuid.uuid4().hex[:8]}"
@@ -105,6 +110,7 @@ class Serving:
                     if output.finished:
                         self.metrics.observe_finished(output, call.tenant)
                     await queue.put((idx, output))
+                await queue.put(idx)
             except BaseException as exc:
                 await queue.put(exc)
                 raise
@@ -112,15 +118,19 @@ class Serving:
                 self.in_flight -= 1
 
         tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prompts)]
-        remaining = len(tasks)
+        # Outputs are the engine's live objects, still changing on its thread while read here:
+        # "finished" is decided by the end of each prompt's stream, never by re-reading an
+        # output (it may turn finished between the caller's read and ours).
+        done: set[int] = set()
         try:
-            while remaining:
+            while len(done) < len(tasks):
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if isinstance(item, int):
+                    done.add(item)
+                    continue
                 yield item
-                if item[1].finished:
-                    remaining -= 1
         finally:
             for task in tasks:
                 task.cancel()

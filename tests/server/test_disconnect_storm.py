@@ -1,0 +1,106 @@
+"""Clients that go away: every dropped request is aborted and its blocks come back."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+
+from tests.server.harness import ServerProcess, wait_until
+
+NUM_REQUESTS = 200
+MAX_TOKENS = 28
+ABORTED = {"reason": "aborted"}
+
+
+def _aborted_frees(server: ServerProcess) -> float:
+    return server.metrics().value("kvserve:kv_request_frees_total", **ABORTED)
+
+
+def _is_drained(server: ServerProcess) -> bool:
+    m = server.metrics()
+    return (m.value("kvserve:kv_held_blocks") == 0
+            and m.value("vllm:num_requests_running") == 0
+            and m.value("vllm:num_requests_waiting") == 0)
+
+
+def _describe(server: ServerProcess) -> object:
+    m = server.metrics()
+    return {name: m.value(name) for name in ("kvserve:kv_held_blocks",
+                                             "vllm:num_requests_running",
+                                             "vllm:num_requests_waiting")}
+
+
+def assert_idle_and_audited(server: ServerProcess) -> None:
+    """Nothing held, nothing live, and a full audit agrees."""
+    wait_until(lambda: _is_drained(server), 30.0, "the engine to drain",
+               lambda: _describe(server))
+    report = server.debug_kv()
+    assert report["audit"]["ok"] is True, report["audit"]
+    assert report["num_live_requests"] == 0, report
+    assert report["held_blocks_by_request"] == {}, report
+    assert report["audit"]["census"]["held"] == 0, report["audit"]
+
+
+async def _one(http: httpx.AsyncClient, i: int, drop_after: int | None) -> str:
+    """Stream one request; with `drop_after`, close the response after that many chunks."""
+    body = {"prompt": f"Request {i} says", "max_tokens": MAX_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}
+    chunks = 0
+    async with http.stream("POST", "/v1/completions", json=body) as response:
+        assert response.status_code == 200, await response.aread()
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                return "done"
+            if line.startswith("data: "):
+                chunks += 1
+                if drop_after is not None and chunks >= drop_after:
+                    break  # leaving the block closes the connection mid-stream
+    assert drop_after is not None, f"stream {i} ended without [DONE] after {chunks} chunks"
+    return "dropped"
+
+
+async def _storm(url: str) -> list[str]:
+    rng = random.Random(1)
+    plan = [rng.randint(1, 3) if i % 2 else None for i in range(NUM_REQUESTS)]
+    limits = httpx.Limits(max_connections=NUM_REQUESTS, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=60.0, limits=limits) as http:
+        return await asyncio.gather(*(_one(http, i, drop) for i, drop in enumerate(plan)))
+
+
+def test_disconnect_storm_returns_every_block(server: ServerProcess) -> None:
+    before = _aborted_frees(server)
+    outcomes = asyncio.run(_storm(server.url))
+    assert outcomes.count("done") == NUM_REQUESTS // 2
+    assert outcomes.count("dropped") == NUM_REQUESTS // 2
+    assert_idle_and_audited(server)
+    aborted = _aborted_frees(server) - before
+    # Each drop is aborted through the engine's free path (a few may finish first).
+    assert aborted >= NUM_REQUESTS // 4, aborted
+
+
+def test_non_streaming_disconnect_aborts_the_request(server: ServerProcess) -> None:
+    before = _aborted_frees(server)
+    finished_before = server.metrics().value("kvserve:kv_request_frees_total",
+                                             reason="finished")
+    # 64 samples of 240 tokens, 32 running at a time: seconds of work, so the drop comes first.
+    body = {"prompt": ["Tell me a story", "Another one"], "n": 32, "max_tokens": 240,
+            "temperature": 0.0, "ignore_eos": True}
+
+    async def drop() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60.0) as http:
+            request = asyncio.ensure_future(http.post("/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            assert not request.done()
+            request.cancel()
+            await asyncio.gather(request, return_exceptions=True)
+
+    asyncio.run(drop())
+    # The 32 running samples are freed as aborted; the 32 still waiting held no blocks.
+    wait_until(lambda: _aborted_frees(server) >= before + 32, 10.0,
+               "the dropped request's running samples to be aborted",
+               lambda: _aborted_frees(server) - before)
+    assert_idle_and_audited(server)
+    finished = server.metrics().value("kvserve:kv_request_frees_total", reason="finished")
+    assert finished - finished_before < 64, "the dropped request ran to the end"
