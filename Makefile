@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 SHARED ?= ../shared
 TRACE ?= $(SHARED)/traces/mooncake/synthetic_trace.jsonl
 
-.PHONY: run test lint venv clean bench-kvcache
+.PHONY: run test lint venv clean bench-kvcache tools
 
 venv: $(VENV)/.installed
 
@@ -41,7 +41,14 @@ lint: venv
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
-test: lint
+# promtool (Debian package `prometheus`) for the alert-rule tests: installed when missing and we
+# are root; never fatal (those tests skip, saying why, without it).
+tools:
+	@command -v promtool >/dev/null || { [ "$$(id -u)" = 0 ] && \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus) \
+		>/dev/null 2>&1; } || echo "promtool unavailable: the alert-rule tests will skip"
+
+test: lint tools
 	$(BIN)/python -m pytest
 
 clean:

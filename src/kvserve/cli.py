@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from kvserve import __version__
 from kvserve.bench import kvcache_cli
 from kvserve.gateway import command as gateway_command
+from kvserve.ops import doctor_command
 from kvserve.server import command as serve_command
 
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     kvcache_cli.add_parser(benches)
     serve_command.add_parser(commands)
     gateway_command.add_parsers(commands)
+    doctor_command.add_parser(commands)
     return parser
 
 
