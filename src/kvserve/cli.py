@@ -7,10 +7,11 @@ import sys
 from collections.abc import Sequence
 
 from kvserve import __version__
-from kvserve.bench import kvcache_cli
+from kvserve.bench import kvcache_cli, profile_cli
 from kvserve.gateway import command as gateway_command
 from kvserve.ops import doctor_command
 from kvserve.server import command as serve_command
+from kvserve.sim import command as simulate_command
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,8 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks, side by side with peers")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     kvcache_cli.add_parser(benches)
+    profile_cli.add_parser(benches)
     serve_command.add_parser(commands)
     gateway_command.add_parsers(commands)
+    simulate_command.add_parser(commands)
     doctor_command.add_parser(commands)
     return parser
 

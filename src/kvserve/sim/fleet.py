@@ -1,0 +1,260 @@
+"""The fleet simulator: clients → gateway policy → N workers, on one simulated clock.
+
+Every request is a client (`client`), routed by the real policy object through `SimGateway`,
+and served by a `SimWorker` holding a real KVCacheManager. Nothing here reads a wall clock
+except to report how long the run took; the same inputs give the same result.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.gateway.policies import RoutingPolicy, make_policy
+from kvserve.sim.client import Attempt, ClientConfig, ClientRequest, Outcome
+from kvserve.sim.costmodel import CostProfile
+from kvserve.sim.events import EventQueue, Priority
+from kvserve.sim.gateway import Backpressure, Scraped, SimGateway
+from kvserve.sim.metrics import SimResult, TimelineSample
+from kvserve.sim.seq import SimSeq
+from kvserve.sim.summary import summarise
+from kvserve.sim.worker import SimWorker, WorkerConfig
+from kvserve.sim.workload import RouteKeys, Workload
+from kvserve.workload import prompt_token_ids
+
+SIMULATED_POLICIES = ("round_robin", "least_load", "prefix_hash", "cache_aware")
+"""Policies the simulator can drive (`precise` needs KV-event plumbing it does not model)."""
+
+Progress = Callable[[int, int, float], None]
+"""Called as requests complete: (done, total, simulated seconds)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One run: the fleet, its gateway and its clients. `route_block_tokens` is the gateway's
+    prefix block (its 256-character text blocks are ~64 tokens)."""
+
+    num_workers: int
+    worker: WorkerConfig
+    profile: CostProfile
+    policy: str = "prefix_hash"
+    policy_options: Mapping[str, Any] = field(default_factory=dict)
+    client: ClientConfig = field(default_factory=ClientConfig)
+    backpressure: Backpressure | None = None
+    scrape_interval_s: float = 1.0
+    route_block_tokens: int = 64
+    slo_s: float = 5.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError("a fleet needs at least one worker")
+        if self.policy not in SIMULATED_POLICIES:
+            raise ValueError(f"policy {self.policy!r} cannot be simulated; choose one of "
+                             f"{', '.join(SIMULATED_POLICIES)}")
+        if self.scrape_interval_s <= 0:
+            raise ValueError("scrape_interval_s must be positive")
+
+    def make_policy(self) -> RoutingPolicy:
+        options = dict(self.policy_options)
+        if self.policy == "cache_aware":
+            # The index should forget about when a worker does (the policy's own advice).
+            capacity = self.worker.num_blocks * self.worker.block_size
+            options.setdefault("max_blocks_per_worker",
+                               max(1, capacity // self.route_block_tokens))
+        elif self.policy == "least_load":
+            options.setdefault("seed", self.seed)
+        return make_policy(self.policy, **options)
+
+
+class FleetSimulator:
+    """Runs one `SimConfig` over one `Workload`; call `run` once."""
+
+    def __init__(self, config: SimConfig, workload: Workload,
+                 route_keys: RouteKeys | None = None, label: str | None = None) -> None:
+        self.config = config
+        self.workload = workload
+        self.label = label or config.policy
+        self.events = EventQueue()
+        self.keys = route_keys or RouteKeys(config.route_block_tokens)
+        ids = [f"w{i:02d}" for i in range(config.num_workers)]
+        self.workers = {w: SimWorker(w, config.worker, config.profile, self.events, self)
+                        for w in ids}
+        self.gateway = SimGateway(config.make_policy(), ids)
+        self.clients: list[ClientRequest] = []
+        self.timeline: list[TimelineSample] = []
+        self._attempt_of: dict[str, Attempt] = {}
+        self._queue: deque[Attempt] = deque()  # waiting for an admission slot (lazy removal)
+        self._num_queued = 0
+        self._arrivals: Iterator[ClientRequest] = iter(())
+        self._num_done = 0
+        self._progress: Progress | None = None
+
+    # -- running --------------------------------------------------------------------------
+
+    def run(self, progress: Progress | None = None) -> SimResult:
+        """Simulate until every request is answered or given up; summarise.
+
+        The cyclic garbage collector is paused meanwhile: the caches hold millions of
+        long-lived objects that its full scans would walk again and again, and the simulator
+        creates no reference cycles per event (reference counting frees everything)."""
+        started = time.perf_counter()
+        self._progress = progress
+        self.clients = [ClientRequest(r, r.arrival_ms / 1000.0) for r in self.workload.requests]
+        self._arrivals = iter(self.clients)
+        self._next_arrival()
+        self.events.push(0.0, Priority.SCRAPE, self._scrape)
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            while self.events.run_next():
+                pass
+        finally:
+            if was_enabled:
+                gc.enable()
+        return summarise(self, time.perf_counter() - started)
+
+    def _next_arrival(self) -> None:
+        client = next(self._arrivals, None)
+        if client is not None:
+            self.events.push(client.arrival, Priority.CLIENT, lambda now: self._arrive(client))
+
+    def _arrive(self, client: ClientRequest) -> None:
+        now = self.events.now
+        client.prompt = prompt_token_ids(client.trace)
+        client.route = self.keys.route_request(client.trace, client.prompt)
+        self._send(client, now)
+        self._next_arrival()
+
+    def _scrape(self, now: float) -> None:
+        """The gateway's periodic scrape, also the timeline's sample; stops when all is done."""
+        gateway = self.gateway
+        hits = queries = 0
+        for worker_id, worker in self.workers.items():
+            gateway.update(worker_id, Scraped(worker.num_running, worker.num_waiting,
+                                              worker.kv_usage))
+            counters = worker.kv.counters
+            hits += counters.prefix_hits_tokens
+            queries += counters.prefix_queries_tokens
+        self.timeline.append(TimelineSample(
+            now, tuple(s.num_running + s.num_waiting for s in gateway.scraped.values()),
+            tuple(gateway.in_flight.values()), queries, hits))
+        if self._num_done < len(self.clients):
+            self.events.push(now + self.config.scrape_interval_s, Priority.SCRAPE, self._scrape)
+
+    # -- clients and admission ------------------------------------------------------------
+
+    def _send(self, client: ClientRequest, now: float) -> None:
+        attempt = Attempt(client, client.num_attempts, now)
+        client.num_attempts += 1
+        timeout = self.config.client.ttft_timeout_s
+        if timeout is not None:
+            self.events.push(now + timeout, Priority.CLIENT,
+                             lambda t: self._on_timeout(attempt, t))
+        bp = self.config.backpressure
+        if bp is None or self.gateway.num_in_flight < bp.max_in_flight:
+            self._dispatch(attempt, now)
+        elif self._num_queued < bp.max_queued:
+            attempt.is_queued = True
+            self._num_queued += 1
+            self._queue.append(attempt)
+            self.events.push(now + bp.queue_timeout_s, Priority.CLIENT,
+                             lambda t: self._on_queue_timeout(attempt, t))
+        else:
+            self._throttle(attempt, now)
+
+    def _throttle(self, attempt: Attempt, now: float) -> None:
+        """429 + Retry-After: the client waits, then sends again."""
+        bp = self.config.backpressure
+        assert bp is not None
+        attempt.is_over = True
+        self._leave_queue(attempt)
+        client = attempt.request
+        client.num_throttled += 1
+        self.gateway.num_throttled += 1
+        self.events.push(now + bp.retry_after_s, Priority.CLIENT,
+                         lambda t: self._send(client, t))
+
+    def _on_queue_timeout(self, attempt: Attempt, now: float) -> None:
+        if attempt.is_queued and not attempt.is_over:
+            self._throttle(attempt, now)
+
+    def _pump_queue(self, now: float) -> None:
+        bp = self.config.backpressure
+        if bp is None:
+            return
+        while self._queue and self.gateway.num_in_flight < bp.max_in_flight:
+            attempt = self._queue.popleft()
+            if attempt.is_queued and not attempt.is_over:
+                self._leave_queue(attempt)
+                self._dispatch(attempt, now)
+
+    def _leave_queue(self, attempt: Attempt) -> None:
+        if attempt.is_queued:
+            attempt.is_queued = False
+            self._num_queued -= 1
+
+    def _dispatch(self, attempt: Attempt, now: float) -> None:
+        client = attempt.request
+        assert client.route is not None and client.prompt is not None
+        worker_id = self.gateway.route(client.route)
+        trace = client.trace
+        seq = SimSeq(f"{trace.request_id}#{attempt.number}", client.prompt,
+                     max(1, trace.output_length), trace.tenant)
+        attempt.seq, attempt.worker_id = seq, worker_id
+        self._attempt_of[seq.seq_id] = attempt
+        if not self.workers[worker_id].submit(seq, now):
+            del self._attempt_of[seq.seq_id]
+            attempt.is_over = True
+            self.gateway.release(worker_id)
+            self._complete(client, Outcome.REJECTED, now)
+            self._pump_queue(now)
+
+    def _on_timeout(self, attempt: Attempt, now: float) -> None:
+        client = attempt.request
+        if attempt.is_over or client.first_token_at is not None:
+            return
+        attempt.is_over = True
+        if attempt.is_queued:
+            self._leave_queue(attempt)
+        elif attempt.seq is not None and attempt.worker_id is not None:
+            del self._attempt_of[attempt.seq.seq_id]
+            self.workers[attempt.worker_id].abort(attempt.seq, now)
+            self.gateway.release(attempt.worker_id)
+            self._pump_queue(now)
+        if client.num_retries < self.config.client.max_retries:
+            client.num_retries += 1
+            self._send(client, now)
+        else:
+            self._complete(client, Outcome.GAVE_UP, now)
+
+    def _complete(self, client: ClientRequest, outcome: Outcome, now: float) -> None:
+        client.outcome = outcome
+        client.prompt = None
+        self._num_done += 1
+        if self._progress is not None:
+            self._progress(self._num_done, len(self.clients), now)
+
+    # -- WorkerListener -------------------------------------------------------------------
+
+    def on_first_token(self, seq: SimSeq, now: float) -> None:
+        attempt = self._attempt_of.get(seq.seq_id)  # None: cancelled while its step ran
+        if attempt is not None and attempt.request.first_token_at is None:
+            attempt.request.first_token_at = now
+
+    def on_finish(self, seq: SimSeq, now: float) -> None:
+        attempt = self._attempt_of.pop(seq.seq_id, None)
+        if attempt is None:
+            return  # cancelled by the client while its last step ran; already let go
+        attempt.is_over = True
+        assert attempt.worker_id is not None
+        self.gateway.release(attempt.worker_id)
+        client = attempt.request
+        client.finished_at = now
+        client.num_cached_tokens = max(seq.num_cached, 0)
+        self._complete(client, Outcome.OK, now)
+        self._pump_queue(now)

@@ -1,0 +1,85 @@
+"""The gateway as the simulator runs it: the real routing policy object, fed the load signals the
+production gateway sees, and its admission control.
+
+Signals: `in_flight` is the gateway's own exact count per worker (it knows what it sent);
+`num_running`, `num_waiting` and `kv_usage` come from the last scrape of the workers' metrics,
+so they are up to one scrape interval stale, as in production (gateway.scraper).
+Admission mirrors gateway.admission: at most `max_in_flight` requests upstream fleet-wide, up to
+`max_queued` waiting for a slot for at most `queue_timeout_s`; past either limit, 429 with
+Retry-After.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvserve.gateway.policies import RouteRequest, RoutingPolicy, WorkerView
+
+
+@dataclass(frozen=True, slots=True)
+class Backpressure:
+    """Admission limits (the gateway's defaults) and the Retry-After it answers 429s with."""
+
+    max_in_flight: int = 256
+    max_queued: int = 512
+    queue_timeout_s: float = 5.0
+    retry_after_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1 or self.max_queued < 0 or self.queue_timeout_s < 0:
+            raise ValueError("max_in_flight >= 1, max_queued >= 0 and queue_timeout_s >= 0")
+        if self.retry_after_s <= 0:
+            raise ValueError("retry_after_s must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class Scraped:
+    """One worker's metrics as of a scrape."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+
+
+class SimGateway:
+    """Routes with `policy` over `worker_ids`; counts what it sent and what it refused."""
+
+    def __init__(self, policy: RoutingPolicy, worker_ids: Iterable[str]) -> None:
+        self.policy = policy
+        self.worker_ids = tuple(worker_ids)
+        self.in_flight = dict.fromkeys(self.worker_ids, 0)
+        self.scraped = {w: Scraped() for w in self.worker_ids}
+        self.num_in_flight = 0
+        self.num_routed = 0
+        self.num_throttled = 0  # 429s answered
+        self.routed_by_worker = dict.fromkeys(self.worker_ids, 0)
+
+    def update(self, worker_id: str, scraped: Scraped) -> None:
+        """Record a scrape of one worker."""
+        self.scraped[worker_id] = scraped
+
+    def views(self) -> list[WorkerView]:
+        """What a policy sees now: exact in-flight counts, scraped queue depth and KV usage."""
+        return [
+            WorkerView(w, True, self.in_flight[w], s.num_running, s.num_waiting, s.kv_usage)
+            for w in self.worker_ids
+            for s in (self.scraped[w],)
+        ]
+
+    def route(self, request: RouteRequest) -> str:
+        """Choose a worker, tell the policy the request was sent, count it in flight."""
+        decision = self.policy.route(request, self.views())
+        worker_id = decision.worker_id
+        self.policy.observe(request, worker_id)
+        self.in_flight[worker_id] += 1
+        self.num_in_flight += 1
+        self.num_routed += 1
+        self.routed_by_worker[worker_id] += 1
+        return worker_id
+
+    def release(self, worker_id: str) -> None:
+        """A request sent to `worker_id` finished, failed or was cancelled."""
+        assert self.in_flight[worker_id] > 0, f"release without a request in flight on {worker_id}"
+        self.in_flight[worker_id] -= 1
+        self.num_in_flight -= 1
