@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from kvserve import __version__
-from kvserve.bench import kvcache_cli, profile_cli
+from kvserve.bench import engine_cli, kvcache_cli, profile_cli, serve_cli
 from kvserve.gateway import command as gateway_command
 from kvserve.ops import doctor_command
 from kvserve.server import command as serve_command
@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser("bench", help="benchmarks, side by side with peers")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     kvcache_cli.add_parser(benches)
+    engine_cli.add_parser(benches)
+    serve_cli.add_parser(benches)
     profile_cli.add_parser(benches)
     serve_command.add_parser(commands)
     gateway_command.add_parsers(commands)

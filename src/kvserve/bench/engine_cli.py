@@ -1,0 +1,237 @@
+"""`kvserve bench engine`: offline throughput and TTFT of kvserve's engine, side by side with
+vLLM's CPU build and transformers' batched `generate`, on the same token ids, in the same run.
+
+All systems: float32, greedy, EOS ignored, exactly `max_tokens` per request, the same torch/OpenMP
+thread count, prefix caching on where the system has it, the same KV cache budget (kvserve and
+vLLM). What each system times is stated in engine_systems.py and peers/vllm_engine_driver.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import IO, Any
+
+from rich.console import Console
+
+from kvserve.bench.engine_report import Cell, print_table
+from kvserve.bench.engine_systems import HF, KVSERVE, VLLM, RunResult
+from kvserve.bench.engine_workloads import (
+    MODEL_NAMES,
+    WORKLOADS,
+    Workload,
+    WorkloadSizes,
+    build_workload,
+    ensure_bench_model,
+)
+from kvserve.bench.peers_env import missing_peer_message, vllm_python
+
+DRIVER = Path(__file__).parent / "peers" / "vllm_engine_driver.py"
+PEERS = (VLLM, HF)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("engine", help="offline engine throughput and TTFT vs vLLM and HF")
+    p.add_argument("--model", nargs="+", default=list(MODEL_NAMES), metavar="M",
+                   help=f"{', '.join(MODEL_NAMES)} (random weights, cached) or a checkpoint dir")
+    p.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--peer", nargs="+", default=["auto"], choices=["auto", *PEERS, "none"],
+                   help="peers to measure alongside (auto: every installed peer)")
+    d = WorkloadSizes()
+    p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="requests per batch")
+    p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="decode-heavy prompt")
+    p.add_argument("--output-len", type=int, default=d.output_len, help="decode-heavy output")
+    p.add_argument("--prefix-len", type=int, default=d.prefix_len, help="shared-prefix prefix")
+    p.add_argument("--suffix-len", type=int, default=d.suffix_len, help="shared-prefix suffix")
+    p.add_argument("--prefix-output-len", type=int, default=d.prefix_output_len,
+                   help="shared-prefix output")
+    p.add_argument("--seed", type=int, default=d.seed, help="seed of the prompt token ids")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per system and workload (cold prefix cache each); best kept")
+    p.add_argument("--threads", type=int, default=2, help="torch/OpenMP threads per system")
+    p.add_argument("--kv-cache-gib", type=float, default=2,
+                   help="KV cache of kvserve and vLLM in GiB (whole GiB: vLLM gets it through "
+                   "VLLM_CPU_KVCACHE_SPACE, else through kv_cache_memory_bytes)")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--vllm-eager", action=argparse.BooleanOptionalAction, default=True,
+                   help="run vLLM with enforce_eager (no torch.compile; default on)")
+    p.add_argument("--vllm-omp-bind", default=None, metavar="CPUS",
+                   help="VLLM_CPU_OMP_THREADS_BIND (default: --threads cores, 0-(N-1); 'auto' is "
+                   "vLLM's own layout: one core kept for its engine-core process)")
+    p.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds per vLLM run")
+    p.add_argument("--json", action="store_true", help="one JSON object per model x workload")
+    p.add_argument("--json-out", type=Path, default=None, metavar="FILE",
+                   help="also write the JSON objects (one a line) to FILE")
+    p.set_defaults(func=run)
+
+
+def chosen_peers(requested: list[str]) -> dict[str, str | None]:
+    """Peer name -> None (measure it) or the reason it is skipped."""
+    if "none" in requested:
+        return {}
+    auto = "auto" in requested
+    peers: dict[str, str | None] = {}
+    if auto or VLLM in requested:
+        peers[VLLM] = None if vllm_python() else missing_peer_message("vLLM",
+                                                                      "KVSERVE_VLLM_PYTHON")
+    if auto or HF in requested:
+        try:
+            import transformers  # noqa: F401
+            peers[HF] = None
+        except ImportError as exc:
+            peers[HF] = f"transformers is not importable here ({exc}); pip install transformers"
+    return peers
+
+
+def run_vllm(model_dir: Path, workloads: list[Workload], args: argparse.Namespace,
+             err: Console) -> list[RunResult]:
+    """One vLLM driver process for every workload of a model; failures become skipped runs."""
+    python = vllm_python()
+    assert python is not None
+    spec = {"model": str(model_dir), "max_model_len": args.max_model_len,
+            "kv_cache_bytes": kv_cache_bytes(args), "num_threads": args.threads,
+            "enforce_eager": args.vllm_eager, "repeats": args.repeats,
+            "omp_threads_bind": args.vllm_omp_bind, "workloads": [w.as_dict() for w in workloads]}
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path = Path(tmp) / "spec.json"
+        spec_path.write_text(json.dumps(spec), encoding="utf-8")
+        log_path = Path(tmp) / "vllm.log"
+        with open(log_path, "w", encoding="utf-8") as log:
+            code, stdout = run_driver([str(python), str(DRIVER), "--spec", str(spec_path)], log,
+                                      args.vllm_timeout)
+        tail = log_path.read_text(encoding="utf-8", errors="replace").strip()[-1500:]
+    if code is None:
+        return [RunResult(VLLM, skipped=f"timed out after {args.vllm_timeout:.0f}s")
+                for _ in workloads]
+    try:
+        payload = json.loads(stdout.strip().splitlines()[-1]) if code == 0 else None
+    except (json.JSONDecodeError, IndexError):
+        payload = None
+    if payload is None:
+        err.print(f"[yellow]vLLM driver failed ({code}):[/]\n{tail}", soft_wrap=True)
+        last = tail.splitlines()[-1] if tail else "no output"
+        return [RunResult(VLLM, skipped=f"driver failed: {last}") for _ in workloads]
+    runs = []
+    for item in payload["results"]:
+        if "error" in item:
+            runs.append(RunResult(VLLM, skipped=f"failed: {item['error']}"))
+            continue
+        run = RunResult.from_dict(item)
+        run.info |= {"vllm_version": payload["vllm_version"],
+                     "load_seconds": payload["load_seconds"]}
+        runs.append(run)
+    return runs
+
+
+def run_driver(cmd: list[str], log: IO[str], timeout: float) -> tuple[int | None, str]:
+    """Run a peer driver in its own process group; (exit code or None on timeout, stdout).
+    On timeout the whole group goes (vLLM's engine-core process outlives a killed leader)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
+                            start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return None, ""
+    return proc.returncode, stdout
+
+
+def run_in_process(system: str, model_dir: Path, workloads: list[Workload],
+                   args: argparse.Namespace, err: Console) -> list[RunResult]:
+    """kvserve or HF on every workload of a model; a failing peer becomes skipped runs."""
+    from kvserve.bench.engine_systems import HFRunner, KVServeRunner
+
+    try:
+        if system == KVSERVE:
+            runner: Any = KVServeRunner(str(model_dir), kv_cache_bytes(args), args.threads,
+                                        args.max_model_len)
+        else:
+            runner = HFRunner(str(model_dir), args.threads)
+    except Exception as exc:
+        if system == KVSERVE:
+            raise
+        err.print(f"[yellow]{system} failed to load: {exc}[/]", soft_wrap=True)
+        return [RunResult(system, skipped=f"load failed: {exc}") for _ in workloads]
+    runs = []
+    try:
+        for w in workloads:
+            try:
+                runs.append(runner.run(w, args.repeats))
+            except Exception as exc:
+                if system == KVSERVE:
+                    raise
+                runs.append(RunResult(system, skipped=f"failed: {type(exc).__name__}: {exc}"))
+    finally:
+        runner.close()
+    return runs
+
+
+def kv_cache_bytes(args: argparse.Namespace) -> int:
+    return int(args.kv_cache_gib * (1 << 30))
+
+
+def model_vocab_size(model_dir: Path) -> int:
+    return int(json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["vocab_size"])
+
+
+def run(args: argparse.Namespace) -> int:
+    err = Console(stderr=True)
+    sizes = WorkloadSizes(args.num_prompts, args.prompt_len, args.output_len, args.prefix_len,
+                          args.suffix_len, args.prefix_output_len, args.seed)
+    try:
+        sizes.check()
+        if min(args.threads, args.repeats) < 1 or not args.kv_cache_gib > 0:
+            raise ValueError("--threads and --repeats must be at least 1, --kv-cache-gib > 0")
+        model_dirs = {m: ensure_bench_model(m) for m in dict.fromkeys(args.model)}
+    except ValueError as exc:
+        err.print(f"[red]{exc}[/]", soft_wrap=True)
+        return 2
+    peers = chosen_peers(args.peer)
+    for name, reason in peers.items():
+        if reason is not None:
+            err.print(f"[yellow]{name}: skipped: {reason}[/]", soft_wrap=True)
+    cells: list[Cell] = []
+    for model, model_dir in model_dirs.items():
+        workloads = [build_workload(w, sizes, model_vocab_size(model_dir))
+                     for w in dict.fromkeys(args.workload)]
+        longest = max(w.max_prompt_len + w.max_tokens for w in workloads)
+        if longest > args.max_model_len:
+            err.print(f"[red]{model}: prompt + output reaches {longest} tokens, over "
+                      f"--max-model-len {args.max_model_len}[/]", soft_wrap=True)
+            return 2
+        err.print(f"[dim]{model}: running kvserve[/]")
+        try:
+            by_system = {KVSERVE: run_in_process(KVSERVE, model_dir, workloads, args, err)}
+        except ValueError as exc:  # e.g. --max-model-len beyond the model's positions
+            err.print(f"[red]{model}: {exc}[/]", soft_wrap=True)
+            return 2
+        for peer, reason in peers.items():
+            err.print(f"[dim]{model}: running {peer}[/]")
+            if reason is not None:
+                by_system[peer] = [RunResult(peer, skipped=reason) for _ in workloads]
+            elif peer == VLLM:
+                by_system[peer] = run_vllm(model_dir, workloads, args, err)
+            else:
+                by_system[peer] = run_in_process(peer, model_dir, workloads, args, err)
+        for i, w in enumerate(workloads):
+            cell = Cell(model, str(model_dir), w, [runs[i] for runs in by_system.values()])
+            cells.append(cell)
+            line = json.dumps(cell.as_dict())
+            if args.json:
+                print(line, flush=True)
+            if args.json_out is not None:
+                with open(args.json_out, "a", encoding="utf-8") as f:
+                    f.write(line + "\n")
+    if not args.json:
+        print_table(cells, f"engine throughput and TTFT ({args.threads} threads, float32, "
+                           f"greedy, {args.kv_cache_gib:g} GiB KV)")
+    return 0
+

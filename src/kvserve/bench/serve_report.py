@@ -1,0 +1,105 @@
+"""Reporting for `kvserve bench serve`: the side-by-side table and the JSON lines.
+
+Ratios are always first measured server / other server (for `--launch kvserve,vllm`,
+kvserve/vLLM): below 1 is better for latencies, above 1 is better for throughputs.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvserve.bench.serve_load import LevelSummary
+
+
+@dataclass(slots=True)
+class ServerRun:
+    """One server's results, one summary per concurrency, or the reason it was skipped."""
+
+    label: str
+    url: str | None = None
+    levels: list[LevelSummary] = field(default_factory=list)
+    skipped: str | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+# (column, getter): the metrics shown per server and compared in ratio rows.
+METRICS = (
+    ("TTFT p50 ms", lambda s: s.ttft_ms["p50"]),
+    ("TTFT p99 ms", lambda s: s.ttft_ms["p99"]),
+    ("ITL mean ms", lambda s: s.itl_ms["mean"]),
+    ("ITL p99 ms", lambda s: s.itl_ms["p99"]),
+    ("TPOT mean ms", lambda s: s.tpot_ms["mean"]),
+    ("req/s", lambda s: s.request_throughput),
+    ("out tok/s", lambda s: s.output_throughput),
+)
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b and not (math.isnan(a) or math.isnan(b)) else float("nan")
+
+
+def ratios(ours: LevelSummary, peer: LevelSummary) -> dict[str, float]:
+    """Every metric of METRICS as ours / peer, keyed like the JSON fields."""
+    keys = ("ttft_p50", "ttft_p99", "itl_mean", "itl_p99", "tpot_mean", "request_throughput",
+            "output_throughput")
+    return {k: ratio(get(ours), get(peer)) for k, (_, get) in zip(keys, METRICS, strict=True)}
+
+
+def json_rows(runs: list[ServerRun], concurrencies: list[int],
+              workload: dict[str, Any]) -> list[dict[str, Any]]:
+    """One object per server x concurrency; the first measured server's carry its ratios."""
+    measured = [r for r in runs if r.skipped is None]
+    rows = []
+    for run in runs:
+        for i, c in enumerate(concurrencies):
+            row: dict[str, Any] = {"server": run.label, "url": run.url} | workload
+            if run.skipped is not None:
+                rows.append(row | {"concurrency": c, "skipped": run.skipped})
+                continue
+            row |= run.levels[i].as_dict() | run.info
+            if measured and run is measured[0] and len(measured) > 1:
+                row["ratios_vs"] = {peer.label: ratios(run.levels[i], peer.levels[i])
+                                    for peer in measured[1:]}
+            rows.append(row)
+    return rows
+
+
+def _fmt(value: float, digits: int = 1) -> str:
+    return "-" if math.isnan(value) else f"{value:,.{digits}f}"
+
+
+def print_table(runs: list[ServerRun], concurrencies: list[int], title: str) -> None:
+    """Rows per concurrency: each measured server, then first/other ratios; then skips and
+    errors. chunks/tok: non-empty stream chunks per output token (1.00 = one chunk a token)."""
+    table = Table(title=title)
+    for col in ("conc", "server", "ok/sent", "chunks/tok", *(name for name, _ in METRICS)):
+        table.add_column(col, justify="right")
+    measured = [r for r in runs if r.skipped is None]
+    for i, c in enumerate(concurrencies):
+        for run in measured:
+            s = run.levels[i]
+            table.add_row(str(c), run.label, f"{s.completed}/{s.num_requests}",
+                          _fmt(ratio(s.content_chunks, s.output_tokens), 2),
+                          *(_fmt(get(s)) for _, get in METRICS))
+        for peer in measured[1:]:
+            r = ratios(measured[0].levels[i], peer.levels[i])
+            table.add_row(str(c), f"{measured[0].label}/{peer.label}", "", "",
+                          *(f"{_fmt(v, 2)}x" for v in r.values()), style="bold")
+        table.add_section()
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    console.print(table)
+    for run in runs:
+        if run.skipped is not None:
+            console.print(f"{run.label}: skipped: {run.skipped}", soft_wrap=True, highlight=False)
+        else:
+            for s in run.levels:
+                for err in s.errors:
+                    console.print(f"{run.label} c={s.concurrency}: {err}", soft_wrap=True,
+                                  highlight=False)
+    sys.stdout.flush()

@@ -1,0 +1,154 @@
+"""Start, health-check and stop the OpenAI-compatible servers that `kvserve bench serve` measures.
+
+Each server runs in its own process group on a free loopback port, its output going to a log
+file; `stop()` ends that group only. Both servers get the same model directory, served model
+name, dtype (float32), KV cache budget in bytes, max_model_len, max_num_seqs,
+max_num_batched_tokens and compute threads, with prefix caching on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from kvserve.bench.peers_env import missing_peer_message, vllm_python
+
+KVSERVE = "kvserve"
+VLLM = "vllm"
+SERVERS = (KVSERVE, VLLM)
+LOG_TAIL_CHARS = 1500
+
+
+class LaunchError(Exception):
+    """The server could not be started or never became healthy; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchSpec:
+    """What every launched server is given (see the module docstring)."""
+
+    model_dir: Path
+    served_model_name: str
+    kv_cache_bytes: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_threads: int
+    vllm_eager: bool = False
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_command(name: str, spec: LaunchSpec, port: int) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that start server `name`; LaunchError if absent."""
+    env = dict(os.environ)
+    common = ["--model", str(spec.model_dir), "--served-model-name", spec.served_model_name,
+              "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+              "--max-model-len", str(spec.max_model_len),
+              "--kv-cache-memory-bytes", str(spec.kv_cache_bytes),
+              "--max-num-seqs", str(spec.max_num_seqs),
+              "--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
+    if name == KVSERVE:
+        return ([sys.executable, "-m", "kvserve.cli", "serve", *common,
+                 "--num-threads", str(spec.num_threads), "--drain-timeout", "1"], env)
+    if name == VLLM:
+        python = vllm_python()
+        if python is None:
+            raise LaunchError(missing_peer_message("vLLM", "KVSERVE_VLLM_PYTHON"))
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+        threads = spec.num_threads
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
+        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", *common,
+               "--enable-prefix-caching", "--seed", "0", "--disable-uvicorn-access-log"]
+        return (cmd + ["--enforce-eager"] if spec.vllm_eager else cmd), env
+    raise LaunchError(f"unknown server {name!r}; choose from {', '.join(SERVERS)}")
+
+
+class LaunchedServer:
+    """One server process. Use as a context manager: `start()` on entry (returns once /health
+    answers 200), `stop()` on exit."""
+
+    def __init__(self, name: str, spec: LaunchSpec, log_dir: Path, startup_timeout_s: float):
+        self.name = name
+        self.spec = spec
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_dir / f"{name}-{self.port}.log"
+        self.startup_timeout_s = startup_timeout_s
+        self.startup_s = 0.0
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def log_tail(self) -> str:
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return text.strip()[-LOG_TAIL_CHARS:]
+
+    def start(self) -> None:
+        """Start the process and wait for /health; LaunchError (process stopped) if it fails."""
+        cmd, env = server_command(self.name, self.spec, self.port)
+        started = time.perf_counter()
+        with open(self.log_path, "wb") as log:
+            self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                          stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait_healthy(started)
+        except LaunchError:
+            self.stop()
+            raise
+        self.startup_s = time.perf_counter() - started
+
+    def _wait_healthy(self, started: float) -> None:
+        assert self._proc is not None
+        with httpx.Client(timeout=5.0) as client:
+            while time.perf_counter() - started < self.startup_timeout_s:
+                code = self._proc.poll()
+                if code is not None:
+                    last = self.log_tail().splitlines()[-1:] or ["no output"]
+                    raise LaunchError(f"exited with code {code} during startup: {last[0]}")
+                try:
+                    if client.get(f"{self.url}/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.5)
+        raise LaunchError(f"not healthy after {self.startup_timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left of it after 30 s; idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(30.0)
+        _signal_group(proc.pid, signal.SIGKILL)  # children (vLLM's engine core) outlive the leader
+        proc.wait()
+
+    def __enter__(self) -> LaunchedServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)  # the group LaunchedServer created, nothing else

@@ -1,0 +1,85 @@
+"""`kvserve bench serve` against a real `kvserve serve` process on a free port (no peer needed)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvserve.bench.serve_load import percentile
+from kvserve.bench.serve_prompts import PromptBuilder, PromptSpec, prompt_lengths
+from kvserve.bench.server_launch import KVSERVE, LaunchedServer, LaunchSpec, free_port
+from kvserve.cli import main
+from kvserve.model import Tokenizer, demo_model_config, write_random_checkpoint
+
+# The demo tokenizer (word-level vocabulary) on a much smaller model.
+TINY = demo_model_config() | {"hidden_size": 64, "intermediate_size": 128,
+                              "num_hidden_layers": 2, "num_attention_heads": 4,
+                              "num_key_value_heads": 2}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_checkpoint(tmp_path_factory.mktemp("serve-bench") / "tiny", TINY, seed=5)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedServer]:
+    spec = LaunchSpec(model_dir=model_dir, served_model_name="tiny-test", kv_cache_bytes=1 << 22,
+                      max_model_len=256, max_num_seqs=8, max_num_batched_tokens=256,
+                      num_threads=1)
+    with LaunchedServer(KVSERVE, spec, tmp_path_factory.mktemp("logs"), 60.0) as srv:
+        yield srv
+
+
+def test_percentile_is_linear_between_ranks():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([float(i) for i in range(1, 101)], 99) == pytest.approx(99.01)
+    assert percentile([7.0], 99) == 7.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_prompts_have_the_exact_length_and_share_the_prefix(model_dir):
+    builder = PromptBuilder(Tokenizer.from_pretrained(model_dir))
+    spec = PromptSpec(num_prompts=6, input_len=40, prefix_fraction=0.5)
+    prompts = builder.build(spec, "s")
+    assert prompt_lengths(builder, prompts) == [40] * 6
+    assert builder.build(spec, "s") == prompts and builder.build(spec, "t") != prompts
+    prefix_tokens = Tokenizer.from_pretrained(model_dir).encode(prompts[0])[:20]
+    assert all(Tokenizer.from_pretrained(model_dir).encode(p)[:20] == prefix_tokens
+               for p in prompts)
+
+
+def test_load_generator_against_kvserve_serve(server, model_dir, capsys):
+    code = main(["bench", "serve", server.url, "--model", str(model_dir), "--concurrency", "1",
+                 "3", "--num-prompts", "5", "--input-len", "24", "--output-len", "6",
+                 "--prefix-fraction", "0.5", "--json"])
+    assert code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [r["concurrency"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["server"] == server.url and "skipped" not in r
+        assert r["num_requests"] == r["completed"] == 5 and r["failed"] == 0, r["errors"]
+        assert r["output_tokens"] == 5 * 6 and r["prompt_tokens"] == 5 * 24
+        assert (r["input_len"], r["output_len"], r["prefix_len"]) == (24, 6, 12)
+        assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
+        assert 0 < r["content_chunks"] <= r["output_tokens"]
+        assert r["output_throughput"] == pytest.approx(r["output_tokens"] / r["duration_s"])
+        assert r["request_throughput"] == pytest.approx(5 / r["duration_s"])
+        assert set(r["itl_ms"]) == {"mean", "p50", "p99"} and "mean" in r["tpot_ms"]
+
+
+def test_absent_or_unreachable_servers_are_skipped_not_fatal(model_dir, monkeypatch, capsys):
+    monkeypatch.setenv("KVSERVE_VLLM_PYTHON", "/nonexistent/python")
+    dead = f"http://127.0.0.1:{free_port()}"
+    code = main(["bench", "serve", dead, "--launch", "vllm", "--model", str(model_dir),
+                 "--concurrency", "2", "--num-prompts", "2", "--input-len", "8",
+                 "--output-len", "2", "--json"])
+    assert code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert [(r["server"], r["concurrency"]) for r in rows] == [(dead, 2), ("vllm", 2)]
+    assert "ConnectError" in rows[0]["skipped"]
+    assert "vLLM is not installed" in rows[1]["skipped"]
