@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -57,24 +55,10 @@ def ensure_bench_model(name: str, cache_dir: Path | None = None) -> Path:
             raise ValueError(f"--model {name!r}: not one of {', '.join(MODEL_NAMES)} and not a "
                              "checkpoint directory (no config.json)")
         return path
-    target = (cache_dir or bench_models_dir()) / name
-    if (target / "config.json").exists():
-        return target
-    from kvserve.model import write_random_checkpoint
+    from kvserve.runtime.demo_model import ensure_random_checkpoint
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
-    try:
-        staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users
-        write_random_checkpoint(staging, _model_configs()[name], seed=MODEL_SEED)
-        try:
-            staging.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():  # lost a race only if the winner is whole
-                raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    target = (cache_dir or bench_models_dir()) / name
+    return ensure_random_checkpoint(target, _model_configs()[name], MODEL_SEED)
 
 
 @dataclass(frozen=True, slots=True)

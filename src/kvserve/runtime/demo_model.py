@@ -9,6 +9,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from kvserve.model import demo_model_config, write_random_checkpoint
 
@@ -23,15 +24,20 @@ def demo_model_dir(cache_dir: str | os.PathLike[str] | None = None) -> Path:
 
 
 def ensure_demo_model(cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    """The demo checkpoint's directory, written on first use (atomically, so two processes
-    starting at once never see half a checkpoint)."""
-    target = demo_model_dir(cache_dir)
+    """The demo checkpoint's directory, written on first use."""
+    return ensure_random_checkpoint(demo_model_dir(cache_dir), demo_model_config(), DEMO_SEED)
+
+
+def ensure_random_checkpoint(target: Path, config: dict[str, Any], seed: int) -> Path:
+    """`target`, holding a random-weight checkpoint of `config` written on first use
+    (atomically, so two processes starting at once never see half a checkpoint)."""
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".demo-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        write_random_checkpoint(staging, demo_model_config(), seed=DEMO_SEED)
+        staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users
+        write_random_checkpoint(staging, config, seed=seed)
         try:
             staging.rename(target)
         except OSError:
