@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.bench.engine_report import percentile
 from kvserve.bench.engine_systems import KVServeRunner
 from kvserve.bench.engine_workloads import (
     DECODE_HEAVY,
@@ -19,6 +18,7 @@ from kvserve.bench.engine_workloads import (
 )
 from kvserve.cli import main
 from kvserve.model import write_random_checkpoint
+from kvserve.percentiles import percentile
 from tests.model.arch_configs import base_config
 
 SIZES = WorkloadSizes(num_prompts=3, prompt_len=9, output_len=6, prefix_len=20, suffix_len=5,

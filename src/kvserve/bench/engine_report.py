@@ -6,7 +6,6 @@ tokens/s means kvserve is faster; below 1 for TTFT means kvserve answers sooner.
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,16 +16,7 @@ from rich.table import Table
 
 from kvserve.bench.engine_systems import KVSERVE, RunResult
 from kvserve.bench.engine_workloads import Workload
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default); `q` in [0, 100]; None when empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+from kvserve.percentiles import percentile
 
 
 def summarize(result: RunResult, reference: RunResult | None) -> dict[str, Any]:

@@ -28,6 +28,8 @@ from typing import Any
 
 import httpx
 
+from kvserve.percentiles import percentile as shared_percentile
+
 MAX_ERRORS_KEPT = 3
 
 
@@ -114,14 +116,9 @@ async def run_closed_loop(base_url: str, bodies: Sequence[dict[str, Any]], concu
 
 
 def percentile(values: Sequence[float], p: float) -> float:
-    """The p-th percentile (0..100), linear between the two nearest ranks; NaN when empty."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * p / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    """The p-th percentile (0..100) as in every kvserve report; NaN when empty (JSON-able)."""
+    value = shared_percentile(values, p)
+    return float("nan") if value is None else value
 
 
 def mean(values: Sequence[float]) -> float:

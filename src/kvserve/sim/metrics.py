@@ -2,20 +2,8 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True, slots=True)

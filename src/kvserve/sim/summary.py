@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvserve.percentiles import percentile
 from kvserve.sim.client import Outcome
-from kvserve.sim.metrics import SimResult, WorkerSummary, percentile
+from kvserve.sim.metrics import SimResult, WorkerSummary
 
 if TYPE_CHECKING:
     from kvserve.sim.fleet import FleetSimulator
