@@ -15,8 +15,9 @@ PROMPT = "".join(f"{i:08d}" for i in range(40))  # 40 blocks of 8 characters
 
 
 def holder_policy(matched_blocks: int, credit: float, weight: float) -> CacheAwarePolicy:
-    """A policy whose index says worker "a" holds the first `matched_blocks` blocks of PROMPT."""
-    policy = CacheAwarePolicy(block_credit=credit, load_weight=weight)
+    """A policy whose index says worker "a" holds the first `matched_blocks` blocks of PROMPT
+    (no footprint term: these tests pin the cache-versus-load trade alone)."""
+    policy = CacheAwarePolicy(block_credit=credit, load_weight=weight, footprint_weight=0.0)
     policy.observe(request(PROMPT[: 8 * matched_blocks]), "a")
     return policy
 
@@ -55,6 +56,26 @@ def test_the_switch_point_moves_continuously_with_the_cached_prefix() -> None:
     points = [switch_point(sweep(holder_policy(m, 1.0, 0.75), 0, 60)) for m in sizes]
     assert points == [4 * m // 3 + 1 for m in sizes]
     assert all(b > a for a, b in itertools.pairwise(points))
+
+
+def test_a_new_prefix_goes_to_the_emptier_cache_unless_it_is_clearly_busier() -> None:
+    policy = CacheAwarePolicy(load_weight=8.0, footprint_weight=16.0)
+    for tenant in range(4):  # worker "a" holds four tenants' prefixes, "b" none
+        policy.observe(request(PROMPT, f"old-{tenant}"), "a")
+    new = request(PROMPT, "new-tenant")
+    assert policy.route(new, views({"a": 0, "b": 0})).worker_id == "b"
+    assert policy.route(new, views({"a": 0, "b": 1})).worker_id == "b"  # 8 < 16
+    assert policy.route(new, views({"a": 0, "b": 3})).worker_id == "a"  # 24 > 16
+    # A prefix somebody holds still follows its cache: the credit outweighs the footprint.
+    held = policy.route(request(PROMPT, "old-0"), views({"a": 0, "b": 0}))
+    assert (held.worker_id, held.branch) == ("a", Branch.AFFINITY)
+
+
+def test_footprint_weight_is_checked() -> None:
+    import pytest
+
+    with pytest.raises(ValueError, match="footprint_weight"):
+        CacheAwarePolicy(footprint_weight=-1.0)
 
 
 @settings(max_examples=60, deadline=None)

@@ -27,3 +27,11 @@ def missing_peer_message(name: str, env_var: str) -> str:
         f"{name} is not installed, so it is not measured: install it as ../shared/PEERS.md says "
         f"(into $PEERS, default {peers_root()}), or point {env_var} at it"
     )
+
+
+def sglang_router_binary() -> Path | None:
+    """SGLang's router launcher: `$KVSERVE_SGLANG_ROUTER`, else the PEERS venv's script."""
+    explicit = os.environ.get("KVSERVE_SGLANG_ROUTER")
+    candidate = (Path(explicit) if explicit
+                 else peers_root() / "sglang-router" / "bin" / "sglang-router")
+    return candidate if candidate.exists() else None

@@ -17,6 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -44,6 +45,8 @@ class LaunchSpec:
     max_num_batched_tokens: int
     num_threads: int
     vllm_eager: bool = False
+    cpus: str | None = None  # vLLM's OpenMP binding, e.g. "1" or "0-1" (default: 0..threads-1)
+    block_size: int | None = None  # KV block size in tokens (default: the server's)
 
 
 def free_port() -> int:
@@ -62,6 +65,8 @@ def server_command(name: str, spec: LaunchSpec, port: int) -> tuple[list[str], d
               "--kv-cache-memory-bytes", str(spec.kv_cache_bytes),
               "--max-num-seqs", str(spec.max_num_seqs),
               "--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
+    if spec.block_size is not None:
+        common += ["--block-size", str(spec.block_size)]
     if name == KVSERVE:
         return ([sys.executable, "-m", "kvserve.cli", "serve", *common,
                  "--num-threads", str(spec.num_threads), "--drain-timeout", "1"], env)
@@ -71,26 +76,36 @@ def server_command(name: str, spec: LaunchSpec, port: int) -> tuple[list[str], d
             raise LaunchError(missing_peer_message("vLLM", "KVSERVE_VLLM_PYTHON"))
         env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
         threads = spec.num_threads
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
+        bind = spec.cpus or ("0" if threads == 1 else f"0-{threads - 1}")
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", *common,
                "--enable-prefix-caching", "--seed", "0", "--disable-uvicorn-access-log"]
         return (cmd + ["--enforce-eager"] if spec.vllm_eager else cmd), env
     raise LaunchError(f"unknown server {name!r}; choose from {', '.join(SERVERS)}")
 
 
-class LaunchedServer:
-    """One server process. Use as a context manager: `start()` on entry (returns once /health
-    answers 200), `stop()` on exit."""
+class ManagedProcess:
+    """One server-like process on a free loopback port, in its own process group, its output
+    going to `log_dir/<name>-<port>.log`. Use as a context manager: `start()` on entry (returns
+    once `health_path` answers 200), `stop()` on exit. Subclasses say what to run (`command`)."""
 
-    def __init__(self, name: str, spec: LaunchSpec, log_dir: Path, startup_timeout_s: float):
+    health_path = "/health"
+
+    def __init__(self, name: str, log_dir: Path, startup_timeout_s: float):
         self.name = name
-        self.spec = spec
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}-{self.port}.log"
         self.startup_timeout_s = startup_timeout_s
         self.startup_s = 0.0
         self._proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        raise NotImplementedError
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
     def log_tail(self) -> str:
         try:
@@ -100,18 +115,26 @@ class LaunchedServer:
         return text.strip()[-LOG_TAIL_CHARS:]
 
     def start(self) -> None:
-        """Start the process and wait for /health; LaunchError (process stopped) if it fails."""
-        cmd, env = server_command(self.name, self.spec, self.port)
-        started = time.perf_counter()
-        with open(self.log_path, "wb") as log:
+        """Start the process and wait for health; LaunchError (process stopped) if it fails."""
+        self.launch()
+        self.wait_healthy()
+
+    def launch(self) -> None:
+        """Start the process without waiting (see `wait_healthy`)."""
+        cmd, env = self.command()
+        self._started = time.perf_counter()
+        with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                           stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_healthy(self) -> None:
+        """Wait for a launched process to answer health; LaunchError (process stopped) if not."""
         try:
-            self._wait_healthy(started)
+            self._wait_healthy(self._started)
         except LaunchError:
             self.stop()
             raise
-        self.startup_s = time.perf_counter() - started
+        self.startup_s = time.perf_counter() - self._started
 
     def _wait_healthy(self, started: float) -> None:
         assert self._proc is not None
@@ -120,17 +143,25 @@ class LaunchedServer:
                 code = self._proc.poll()
                 if code is not None:
                     last = self.log_tail().splitlines()[-1:] or ["no output"]
-                    raise LaunchError(f"exited with code {code} during startup: {last[0]}")
+                    raise LaunchError(f"{self.name} exited with code {code} during startup: "
+                                      f"{last[0]}")
                 try:
-                    if client.get(f"{self.url}/health").status_code == 200:
+                    if client.get(f"{self.url}{self.health_path}").status_code == 200:
                         return
                 except httpx.HTTPError:
                     pass
-                time.sleep(0.5)
-        raise LaunchError(f"not healthy after {self.startup_timeout_s:.0f} s")
+                time.sleep(0.25)
+        raise LaunchError(f"{self.name} not healthy after {self.startup_timeout_s:.0f} s")
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once (a crash, for failover tests); idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _signal_group(proc.pid, signal.SIGKILL)
+            proc.wait()
 
     def stop(self) -> None:
-        """SIGTERM the server's process group, SIGKILL what is left of it after 30 s; idempotent."""
+        """SIGTERM the process group, SIGKILL what is left of it after 30 s; idempotent."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
@@ -141,12 +172,23 @@ class LaunchedServer:
         _signal_group(proc.pid, signal.SIGKILL)  # children (vLLM's engine core) outlive the leader
         proc.wait()
 
-    def __enter__(self) -> LaunchedServer:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class LaunchedServer(ManagedProcess):
+    """One OpenAI-compatible server (`name` in SERVERS) started from a LaunchSpec."""
+
+    def __init__(self, name: str, spec: LaunchSpec, log_dir: Path, startup_timeout_s: float):
+        super().__init__(name, log_dir, startup_timeout_s)
+        self.spec = spec
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        return server_command(self.name, self.spec, self.port)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:

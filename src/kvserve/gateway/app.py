@@ -18,12 +18,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvserve.gateway.admission import Admission, Saturated
 from kvserve.gateway.forward import Forwarder, NoWorkerAvailable, Upstream
+from kvserve.gateway.kv_events import EventFollower
 from kvserve.gateway.metrics import GatewayMetrics
-from kvserve.gateway.policies import NoHealthyWorker, make_policy
+from kvserve.gateway.policies import NoHealthyWorker, PrecisePolicy, make_policy
 from kvserve.gateway.retry_budget import RetryBudget
 from kvserve.gateway.route_key import route_request_for
 from kvserve.gateway.scraper import Scraper
 from kvserve.gateway.tenancy import Tenancy
+from kvserve.gateway.token_keys import ExactKeys
 from kvserve.gateway.worker_pool import WorkerPool
 
 FORWARDED_HEADERS = ("x-request-id", "authorization")
@@ -44,6 +46,10 @@ class GatewaySettings:
     scrape_interval_s: float = 1.0
     max_body_bytes: int = 8 * 1024 * 1024
     tenancy: Tenancy = field(default_factory=Tenancy)
+    tokenizer: str | None = None  # the workers' tokenizer, for exact keys (`precise`)
+    block_size: int = 16  # the workers' KV block size, for exact keys
+    events_interval_s: float = 0.25  # how often `precise` polls the workers' KV events
+    admin_key: str | None = None  # sent to the workers' /kv/events
 
 
 def _error(status: int, message: str, err_type: str = "invalid_request_error",
@@ -81,12 +87,22 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
     forwarder = Forwarder(pool, policy, client, budget, metrics, settings.policy,
                           settings.request_timeout_s)
     scraper = Scraper(pool, client, settings.scrape_interval_s)
+    keys = ExactKeys(settings.tokenizer, settings.block_size, settings.policy == "precise")
+    follower = (EventFollower(pool, policy, client, settings.events_interval_s,
+                              settings.admin_key)
+                if isinstance(policy, PrecisePolicy) else None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await scraper.scrape_once()
         scraper.start()
+        await keys.resolve(client, list(settings.workers))
+        if follower is not None:
+            await follower.poll_once()
+            follower.start()
         yield
+        if follower is not None:
+            await follower.stop()
         await scraper.stop()
         await client.aclose()
 
@@ -116,7 +132,7 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
         if salt is not None:
             body["cache_salt"] = salt
         try:
-            route = route_request_for(path, body, salt)
+            route = route_request_for(path, body, salt, keys.keyer)
         except ValueError as exc:
             return _error(400, str(exc))
         headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}

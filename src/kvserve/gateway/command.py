@@ -33,6 +33,13 @@ def _add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tenant-header", default="X-Tenant-Id")
     p.add_argument("--share-group", action="append", default=[], metavar="TENANT=GROUP",
                    help="tenants in one group share prefix blocks (repeatable)")
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="the workers' model directory (or tokenizer.json): exact token keys for "
+                        "--policy precise (default: the first worker's /v1/models root, when "
+                        "it is a local directory)")
+    p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size")
+    p.add_argument("--admin-key", default=os.environ.get("KVSERVE_ADMIN_KEY"),
+                   help="key for the workers' /kv/events (env KVSERVE_ADMIN_KEY)")
     p.add_argument("--salt-secret", default=os.environ.get("KVSERVE_SALT_SECRET", "kvserve"),
                    help="mixed into tenant salts (env KVSERVE_SALT_SECRET)")
 
@@ -43,6 +50,7 @@ def _settings(args: argparse.Namespace, workers: list[str]) -> GatewaySettings:
         max_in_flight=args.max_in_flight, max_queued=args.max_queued,
         queue_timeout_s=args.queue_timeout, retry_ratio=args.retry_ratio,
         tenancy=Tenancy.from_specs(args.share_group, args.tenant_header, args.salt_secret),
+        tokenizer=args.tokenizer, block_size=args.block_size, admin_key=args.admin_key,
     )
 
 

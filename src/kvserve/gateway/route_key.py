@@ -5,12 +5,17 @@ from __future__ import annotations
 from typing import Any
 
 from kvserve.gateway.policies import RouteRequest
-from kvserve.gateway.prefix import RouteKey
+from kvserve.gateway.prefix import DEFAULT_BLOCK_TOKENS, RouteKey
+from kvserve.gateway.token_keys import TokenKeyer
 
 
-def route_request_for(path: str, body: dict[str, Any], salt: str | None) -> RouteRequest:
+def route_request_for(path: str, body: dict[str, Any], salt: str | None,
+                      keyer: TokenKeyer | None = None) -> RouteRequest:
     """Key a request by its prompt (completions) or its canonical messages and tools (chat),
-    salted with the tenant's cache salt. Raises ValueError for a body with no prompt."""
+    salted with the tenant's cache salt. With `keyer` (the workers' tokenizer), a text prompt is
+    keyed by its token ids exactly as a kvserve worker hashes them, and so is a token-id prompt
+    (model id from the body's "model", the keyer's block size). Raises ValueError for a body
+    with no prompt."""
     if path.endswith("/chat/completions"):
         messages = body.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -20,14 +25,23 @@ def route_request_for(path: str, body: dict[str, Any], salt: str | None) -> Rout
             raise ValueError("'tools' must be a list")
         return RouteRequest.from_key(RouteKey.from_messages(messages, salt, tools=tools))
     prompt = body.get("prompt")
+    model_id = str(body.get("model") or "")
+    block = keyer.block_size if keyer is not None else DEFAULT_BLOCK_TOKENS
+
+    def exact(token_ids: list[int]) -> RouteRequest:
+        return RouteRequest.from_key(RouteKey.from_token_ids(token_ids, salt, block_tokens=block,
+                                                             model_id=model_id))
+
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        prompt = prompt[0]
     if isinstance(prompt, str):
+        if keyer is not None:
+            return exact(keyer.encode(prompt))
         return RouteRequest.from_key(RouteKey.from_text(prompt, salt))
     if isinstance(prompt, list) and prompt:
         first = prompt[0]
-        if isinstance(first, str):
-            return RouteRequest.from_key(RouteKey.from_text(first, salt))
         if isinstance(first, int):
-            return RouteRequest.from_key(RouteKey.from_token_ids(prompt, salt))
+            return exact(prompt)
         if isinstance(first, list):
-            return RouteRequest.from_key(RouteKey.from_token_ids(first, salt))
+            return exact(first)
     raise ValueError("'prompt' must be a string, a list of strings or a list of token ids")

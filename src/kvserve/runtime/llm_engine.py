@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -32,6 +33,7 @@ from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
 from kvserve.runtime.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from kvserve.runtime.engine_args import EngineArgs
+from kvserve.runtime.kv_event_log import KVEventLog
 from kvserve.runtime.outputs import CompletionOutput, RequestOutput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,6 +73,8 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids
         self.clock = clock
         self.last_audit: AuditReport | None = None
+        self.model_path: Path | None = None  # the checkpoint directory, once loaded
+        self.kv_events = KVEventLog()  # the cache's events, drained every step (routers poll)
         self._outputs: dict[str, RequestOutput] = {}  # live requests by id
         self._child_of: dict[str, tuple[str, int]] = {}  # engine request id -> (id, index)
 
@@ -103,6 +107,7 @@ class LLMEngine:
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         engine = cls(args, tokenizer, core=None, kv_cache=kv_cache,  # type: ignore[arg-type]
                      model_name=name, max_model_len=max_model_len, eos_token_ids=eos)
+        engine.model_path = Path(loaded.path)
         engine.core = EngineCore(scheduler, runner, tokenizer, engine.clock,
                                  on_audit=engine._record_audit)
         return engine
@@ -189,6 +194,7 @@ class LLMEngine:
             output = self._apply(delta)
             if output is not None:
                 touched[output.request_id] = output
+        self.kv_events.extend(self.kv_cache.drain_events())
         for request_id, output in touched.items():
             if output.finished:
                 output.finished_time = self.clock()

@@ -71,7 +71,16 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     async def models() -> dict[str, object]:
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": 0, "owned_by": "kvserve",
+            "root": str(engine.engine.model_path or model_name),
             "max_model_len": engine.engine.max_model_len}]}
+
+    @app.get("/kv/events", dependencies=[Depends(require_admin_key)])
+    async def kv_events(after: int = 0, limit: int = 4096) -> dict[str, object]:
+        """The KV cache's events numbered above `after` (kvserve.runtime.kv_event_log), for
+        routers that keep an exact index of this worker's cache (the gateway's `precise`)."""
+        if after < 0 or not 1 <= limit <= 65_536:
+            raise APIError(400, "'after' must be >= 0 and 'limit' in [1, 65536]")
+        return engine.engine.kv_events.since(after, limit).as_dict()
 
     @app.get("/debug/kv", dependencies=[Depends(require_admin_key)])
     async def debug_kv() -> dict[str, object]:

@@ -53,6 +53,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     w.add_argument("--skew", type=float, default=1.0, help=f"{MULTI_TENANT}: Zipf skew")
     w.add_argument("--prefix-tokens", type=_pair, default=(25_000, 30_000), metavar="LO,HI",
                    help=f"{MULTI_TENANT}: tenant prefix length range")
+    w.add_argument("--suffix-tokens", type=_pair, default=(200, 1_000), metavar="LO,HI",
+                   help=f"{MULTI_TENANT}: unique suffix length range")
     w.add_argument("--output-tokens", type=int, default=120, help=f"{MULTI_TENANT}: answers")
     w.add_argument("--seed", type=int, default=0)
     f = p.add_argument_group("fleet")
@@ -136,7 +138,8 @@ def build_tasks(args: argparse.Namespace) -> list[SimTask]:
 def _workload(args: argparse.Namespace) -> Workload:
     spec = MultiTenantSpec(
         num_tenants=args.tenants, num_requests=args.requests, prefix_tokens=args.prefix_tokens,
-        output_tokens=args.output_tokens, rate_per_s=args.rate, skew=args.skew, seed=args.seed)
+        suffix_tokens=args.suffix_tokens, output_tokens=args.output_tokens, rate_per_s=args.rate,
+        skew=args.skew, seed=args.seed)
     return load_workload(args.trace, limit=args.limit, rate_scale=args.rate_scale, spec=spec)
 
 

@@ -15,6 +15,7 @@ from kvserve.gateway.policies.block_index import BlockIndex
 from kvserve.gateway.policies.rendezvous import DEFAULT_PREFIX_BLOCKS
 from kvserve.gateway.policies.scoring import (
     DEFAULT_BLOCK_CREDIT,
+    DEFAULT_FOOTPRINT_WEIGHT,
     DEFAULT_LOAD_WEIGHT,
     check_weights,
     score_route,
@@ -28,7 +29,8 @@ capacity in blocks, so the index forgets about when the worker does."""
 class CacheAwarePolicy:
     """Remembers, per worker, the prefix blocks of the requests it sent there (a bounded LRU,
     `max_blocks_per_worker`), and routes by `scoring.score_route`: cached-prefix credit against
-    load, continuously. Approximate: it assumes a worker caches what it was sent until the LRU
+    load, continuously, a prefix nobody holds going to the emptiest index (score's footprint
+    term). Approximate: it assumes a worker caches what it was sent until the LRU
     forgets it. Two instances fed the same calls agree; replicas each learn their own traffic."""
 
     name = "cache_aware"
@@ -40,8 +42,12 @@ class CacheAwarePolicy:
         block_credit: float = DEFAULT_BLOCK_CREDIT,
         load_weight: float = DEFAULT_LOAD_WEIGHT,
         prefix_blocks: int = DEFAULT_PREFIX_BLOCKS,
+        footprint_weight: float = DEFAULT_FOOTPRINT_WEIGHT,
     ) -> None:
         check_weights(block_credit, load_weight)
+        if not 0.0 <= footprint_weight < float("inf"):
+            raise ValueError(f"footprint_weight must be >= 0 and finite, got {footprint_weight}")
+        self.footprint_weight = footprint_weight
         if max_blocks_per_worker < 1:
             raise ValueError(f"max_blocks_per_worker must be >= 1, got {max_blocks_per_worker}")
         if prefix_blocks < 1:
@@ -62,6 +68,8 @@ class CacheAwarePolicy:
             load_weight=self.load_weight,
             prefix_blocks=self.prefix_blocks,
             hit_branch=Branch.AFFINITY,
+            footprint=self.index_size,
+            footprint_weight=self.footprint_weight,
         )
 
     def observe(self, request: RouteRequest, worker_id: str) -> None:

@@ -1,0 +1,343 @@
+"""`kvserve bench gateway`: routers side by side on one local fleet, multi-tenant traffic.
+
+One fleet of workers (kvserve's, or vLLM's CPU server with `--worker-server vllm`) is started;
+for every case and router it is made cold again, the router's processes are started, the same
+open-loop multi-tenant workload is sent (gateway_load.py), and the workers' own prefix-cache
+counters give the fleet hit rate. Routers: kvserve's gateway (`kvserve:POLICY`), SGLang's router
+(`sglang:POLICY`, ../shared/PEERS.md), and `ideal`, the client-side split that pins each tenant
+to one worker (the hit-rate ceiling). Cases (production's, per the gateway issue):
+
+- base: one router replica, even tenant mix, patient clients;
+- replicas2 / replicas4: that many router replicas behind a plain round-robin balancer (the
+  clients rotate over the replicas' URLs, as an L4 balancer would);
+- skew: a Zipf-skewed tenant mix (one hot tenant);
+- overload: `--overload` times the arrival rate, clients that give up on a first token after
+  `--ttft-timeout` seconds and resend (the retry storm);
+- failover: worker 1 is killed a third of the way through the arrivals and restarted at two
+  thirds; clients resend failed requests;
+- overhead: added latency and maximum requests/s against a direct connection
+  (gateway_overhead.py).
+
+The working set (shared prefixes) is sized against one worker's KV cache (`--working-set`,
+default 1.5x one worker, so 0.75x a fleet of two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from kvserve.bench.gateway_calibrate import (
+    FleetShape,
+    can_simulate,
+    print_calibration,
+    simulate,
+)
+from kvserve.bench.gateway_fleet import IDEAL, Fleet, RouterSpec, make_router
+from kvserve.bench.gateway_load import (
+    ClientPolicy,
+    CounterPoller,
+    TimedAction,
+    run_open_loop,
+)
+from kvserve.bench.gateway_overhead import OverheadRun, measure_overhead, print_overhead
+from kvserve.bench.gateway_report import CaseRun, print_tables, summarize
+from kvserve.bench.gateway_workload import (
+    BlockTexts,
+    GatewayRequest,
+    gateway_requests,
+    ideal_assignment,
+    tenant_trace,
+    working_set_tokens,
+)
+from kvserve.bench.server_launch import KVSERVE, VLLM, LaunchError, LaunchSpec
+from kvserve.gateway.prefix import DEFAULT_BLOCK_CHARS
+from kvserve.sim.client import ClientConfig
+from kvserve.workload import MultiTenantSpec, TraceRequest
+
+CASES = ("base", "replicas2", "replicas4", "skew", "overload", "failover", "overhead")
+DEFAULT_ROUTERS = ("ideal,kvserve:prefix_hash,kvserve:cache_aware,kvserve:round_robin,"
+                   "sglang:cache_aware,sglang:round_robin")
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    name: str
+    replicas: int = 1
+    skewed: bool = False
+    overload: bool = False
+    failover: bool = False
+
+
+def case_of(name: str) -> Case:
+    if name not in CASES:
+        raise ValueError(f"--cases {name!r}: choose from {', '.join(CASES)}")
+    if name.startswith("replicas"):
+        return Case(name, replicas=int(name.removeprefix("replicas")))
+    return Case(name, skewed=name == "skew", overload=name == "overload",
+                failover=name == "failover")
+
+
+def _pair(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(",")
+    return int(low), int(high or low)
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("gateway", help="routers side by side on a local multi-tenant fleet",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cases", default="base", help=f"comma-separated: {', '.join(CASES)}, all")
+    p.add_argument("--routers", default=DEFAULT_ROUTERS,
+                   help="comma-separated: ideal, kvserve:POLICY, sglang:POLICY")
+    p.add_argument("--workers", type=int, default=2, help="workers in the fleet")
+    p.add_argument("--worker-server", choices=(KVSERVE, VLLM), default=KVSERVE)
+    p.add_argument("--model", default="tiny", help="tiny, 100m or a checkpoint dir")
+    w = p.add_argument_group("workload")
+    w.add_argument("--tenants", type=int, default=10)
+    w.add_argument("--requests", type=int, default=160, help="requests per run")
+    w.add_argument("--rate", type=float, default=4.0, help="arrivals per second")
+    w.add_argument("--prefix-tokens", type=_pair, default=(2048, 3072), metavar="LO,HI")
+    w.add_argument("--suffix-tokens", type=_pair, default=(32, 96), metavar="LO,HI")
+    w.add_argument("--output-tokens", type=int, default=16)
+    w.add_argument("--skew", type=float, default=1.2, help="Zipf skew of the 'skew' case")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--overhead-prompt-tokens", type=int, default=32,
+                   help="prompt of the 'overhead' case's 1-token requests")
+    f = p.add_argument_group("workers")
+    f.add_argument("--working-set", type=float, default=1.5,
+                   help="shared prefixes / one worker's KV cache (sizes the cache)")
+    f.add_argument("--max-num-seqs", type=int, default=16)
+    f.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    f.add_argument("--startup-timeout", type=float, default=300.0)
+    c = p.add_argument_group("clients and routers")
+    c.add_argument("--overload", type=float, default=3.0, help="rate factor of 'overload'")
+    c.add_argument("--ttft-timeout", type=float, default=3.0,
+                   help="'overload' clients resend after this many seconds without a token")
+    c.add_argument("--max-retries", type=int, default=3)
+    c.add_argument("--deadline", type=float, default=120.0, help="seconds before a request "
+                   "counts as lost")
+    c.add_argument("--gateway-max-in-flight", type=int, default=256,
+                   help="kvserve gateway admission limit (its own default)")
+    c.add_argument("--gateway-queue-timeout", type=float, default=5.0,
+                   help="kvserve gateway admission queue timeout, s (its own default)")
+    c.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for each `kvserve gateway` (repeatable)")
+    p.add_argument("--calibrate", default=None, metavar="PROFILE",
+                   help="also simulate each kvserve policy run with this cost profile "
+                        "(kvserve: `kvserve bench profile --threads 1`) and compare")
+    p.add_argument("--json", type=Path, default=None, help="write every run's figures here")
+    p.set_defaults(func=run)
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    """float32 K and V of every layer for one token, from the checkpoint's config.json."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", heads) * head_dim * 4
+
+
+class Bench:
+    """Everything one invocation shares: the fleet, the workload, the output console."""
+
+    def __init__(self, args: argparse.Namespace, fleet: Fleet, spec: MultiTenantSpec,
+                 texts: BlockTexts, model: str, log_dir: Path, err: Console) -> None:
+        self.args, self.fleet, self.spec, self.texts = args, fleet, spec, texts
+        self.model, self.log_dir, self.err = model, log_dir, err
+        self.gateway_args = [f"--max-in-flight={args.gateway_max_in_flight}",
+                             f"--queue-timeout={args.gateway_queue_timeout}", *args.gateway_arg]
+
+    def trace_for(self, case: Case) -> list[TraceRequest]:
+        spec = self.spec
+        if case.skewed:
+            spec = replace(spec, skew=self.args.skew)
+        if case.overload:
+            spec = replace(spec, rate_per_s=spec.rate_per_s * self.args.overload)
+        return tenant_trace(spec)
+
+    def client_policy(self, case: Case) -> ClientPolicy:
+        return ClientPolicy(ttft_timeout_s=self.args.ttft_timeout if case.overload else None,
+                            max_retries=self.args.max_retries, deadline_s=self.args.deadline)
+
+    def overhead(self, router: RouterSpec, prompts: list[str]) -> OverheadRun:
+        """The overhead case for one router (`ideal`: straight to the workers)."""
+        proc = None if router.kind == IDEAL else make_router(
+            router, self.fleet.urls, self.log_dir, self.gateway_args)
+        self.fleet.fresh()
+        try:
+            if proc is not None:
+                proc.start()
+            entries = self.fleet.urls if proc is None else [proc.url]
+            return measure_overhead(router.label, entries, prompts, self.model)
+        finally:
+            if proc is not None:
+                proc.stop()
+
+    def run(self, case: Case, router: RouterSpec) -> CaseRun:
+        requests = gateway_requests(self.trace_for(case), self.texts)
+        urls = self.fleet.urls
+        replicas = [] if router.kind == IDEAL else [
+            make_router(router, urls, self.log_dir, self.gateway_args)
+            for _ in range(case.replicas)]
+        self.fleet.fresh()
+        try:
+            for r in replicas:
+                r.launch()
+            for r in replicas:
+                r.wait_healthy()
+            target = self._target(router, requests, [r.url for r in replicas])
+            policy = self.client_policy(case)
+            actions = self._actions(case, requests)
+            poller = CounterPoller(urls)
+            results, duration, log = asyncio.run(
+                _with_poller(poller, run_open_loop(requests, self.model, target, policy,
+                                                   actions)))
+        finally:
+            for r in replicas:
+                r.stop()
+        return summarize(case.name, router.label, case.replicas, requests, results, duration,
+                         poller, log)
+
+    def _target(self, router: RouterSpec, requests: list[GatewayRequest],
+                entries: list[str]):  # type: ignore[no-untyped-def]
+        urls = self.fleet.urls
+        if router.kind == IDEAL:
+            home = ideal_assignment(requests, len(urls))
+            return lambda req, attempt: urls[(home[req.tenant] + attempt) % len(urls)]
+        rotation = itertools.cycle(entries)  # the plain round-robin balancer
+        return lambda req, attempt: next(rotation)
+
+    def _actions(self, case: Case, requests: list[GatewayRequest]) -> list[TimedAction]:
+        if not case.failover or len(self.fleet.workers) < 2:
+            return []
+        span = requests[-1].arrival_s
+        return [TimedAction(span / 3, "kill worker 1", lambda: self.fleet.kill(1)),
+                TimedAction(2 * span / 3, "restart worker 1", lambda: self.fleet.restart(1))]
+
+
+async def _with_poller(poller: CounterPoller, load: Any) -> Any:
+    stop = asyncio.Event()
+    task = asyncio.create_task(poller.run(stop))
+    try:
+        return await load
+    finally:
+        await asyncio.sleep(1.5)  # let the workers' counters catch up with the last request
+        stop.set()
+        await task
+
+
+def run(args: argparse.Namespace) -> int:
+    err = Console(stderr=True)
+    try:
+        names = CASES if args.cases.strip() == "all" else [
+            n.strip() for n in args.cases.split(",") if n.strip()]
+        cases = [case_of(n) for n in names]
+        routers = [RouterSpec.parse(r) for r in args.routers.split(",") if r.strip()]
+        if args.workers < 1 or args.requests < 1 or args.rate <= 0:
+            raise ValueError("--workers and --requests must be >= 1 and --rate positive")
+        spec = MultiTenantSpec(num_tenants=args.tenants, num_requests=args.requests,
+                               prefix_tokens=args.prefix_tokens,
+                               suffix_tokens=args.suffix_tokens,
+                               output_tokens=args.output_tokens, rate_per_s=args.rate,
+                               skew=0.0, seed=args.seed)
+        from kvserve.bench.engine_workloads import ensure_bench_model
+        from kvserve.bench.serve_prompts import PromptBuilder, PromptSpec
+        from kvserve.model import Tokenizer
+
+        model_dir = ensure_bench_model(args.model).resolve()
+        builder = PromptBuilder(Tokenizer.from_pretrained(model_dir))
+        texts = BlockTexts(builder)
+    except (ValueError, OSError) as exc:
+        err.print(f"[red]{exc}[/]", soft_wrap=True)
+        return 2
+    working_set = working_set_tokens(tenant_trace(spec))
+    capacity = int(working_set / args.working_set)
+    max_len = args.prefix_tokens[1] + args.suffix_tokens[1] + args.output_tokens + 8
+    launch = LaunchSpec(model_dir=model_dir, served_model_name=model_dir.name,
+                        kv_cache_bytes=capacity * kv_bytes_per_token(model_dir),
+                        max_model_len=max(max_len, 4096) if args.worker_server == VLLM
+                        else max_len,
+                        max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=1)
+    err.print(f"working set {working_set} tokens; KV cache {capacity} tokens per worker "
+              f"({args.working_set:g}x); {args.workers} {args.worker_server} workers",
+              highlight=False)
+    profile = None
+    if args.calibrate:
+        from kvserve.sim.profiles import load_profile
+
+        try:
+            profile = load_profile(args.calibrate)
+        except ValueError as exc:
+            err.print(f"[red]--calibrate: {exc}[/]", soft_wrap=True)
+            return 2
+    shape = FleetShape(num_workers=args.workers, kv_tokens_per_worker=capacity, block_size=16,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_num_seqs=args.max_num_seqs, max_model_len=launch.max_model_len,
+                       max_in_flight=args.gateway_max_in_flight,
+                       queue_timeout_s=args.gateway_queue_timeout,
+                       route_block_tokens=round(DEFAULT_BLOCK_CHARS / texts.chars_per_token()))
+    runs: list[CaseRun] = []
+    overheads: list[OverheadRun] = []
+    sims: dict[int, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="kvserve-bench-gateway-") as tmp:
+        fleet = Fleet(args.worker_server, launch, args.workers, Path(tmp), args.startup_timeout)
+        bench = Bench(args, fleet, spec, texts, model_dir.name, Path(tmp), err)
+        try:
+            fleet.start()
+            for case in cases:
+                if case.name == "overhead":
+                    prompts = builder.build(PromptSpec(64, args.overhead_prompt_tokens), "ovh")
+                    for router in routers:
+                        err.print(f"[bold]overhead[/] · {router.label} …", highlight=False)
+                        try:
+                            overheads.append(bench.overhead(router, prompts))
+                        except LaunchError as exc:
+                            err.print(f"[yellow]{router.label}: skipped: {exc}[/]",
+                                      soft_wrap=True)
+                    continue
+                for router in routers:
+                    if case.replicas > 1 and router.kind == IDEAL:
+                        continue  # the clients' own split has no replicas
+                    err.print(f"[bold]{case.name}[/] · {router.label} …", highlight=False)
+                    try:
+                        result = bench.run(case, router)
+                    except LaunchError as exc:
+                        err.print(f"[yellow]{router.label}: skipped: {exc}[/]", soft_wrap=True)
+                        continue
+                    runs.append(result)
+                    err.print(f"  {result.one_line()}", highlight=False)
+                    if profile is not None and can_simulate(result):
+                        cp = bench.client_policy(case)
+                        client = (ClientConfig.retrying(cp.ttft_timeout_s, cp.max_retries)
+                                  if cp.ttft_timeout_s is not None else ClientConfig())
+                        result.sim = sims[len(runs) - 1] = simulate(
+                            result, bench.trace_for(case), shape, profile, client)
+        except LaunchError as exc:
+            err.print(f"[red]fleet failed: {exc}[/]", soft_wrap=True)
+            return 1
+        finally:
+            fleet.stop()
+    if overheads:
+        print_overhead(overheads)
+    print_tables(runs, f"{args.workers} {args.worker_server} workers ({args.model}), "
+                       f"{args.tenants} tenants x {args.prefix_tokens[0]}-{args.prefix_tokens[1]}"
+                       f"-token prefixes, {args.requests} requests at {args.rate:g}/s, KV "
+                       f"{capacity} tokens/worker")
+    print_calibration(runs, sims)
+    if args.json:
+        args.json.write_text(json.dumps({
+            "config": {k: (v if isinstance(v, int | float | str | bool | None) else str(v))
+                       for k, v in vars(args).items() if k != "func"},
+            "working_set_tokens": working_set, "kv_tokens_per_worker": capacity,
+            "runs": [r.as_dict() for r in runs],
+            "overhead": [r.as_dict() for r in overheads]}, indent=1))
+    return 0

@@ -1,0 +1,154 @@
+"""The processes of `kvserve bench gateway`: a fleet of workers and the routers in front of it.
+
+Workers are `LaunchedServer`s (kvserve or vLLM), each with one compute thread and its own core
+where the machine has one per worker. Each router configuration starts cold on a fresh fleet:
+kvserve workers are restarted (a second or two), vLLM workers keep running and have their prefix
+cache reset (`POST /reset_prefix_cache`, which needs VLLM_SERVER_DEV_MODE=1; their startup takes
+a minute). Routers are kvserve's gateway (`kvserve gateway`) or SGLang's router, one or several
+replicas, each its own process; "ideal" is no router at all (the clients split by tenant).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import httpx
+
+from kvserve.bench.peers_env import missing_peer_message, sglang_router_binary
+from kvserve.bench.server_launch import (
+    KVSERVE,
+    VLLM,
+    LaunchedServer,
+    LaunchError,
+    LaunchSpec,
+    ManagedProcess,
+    free_port,
+)
+
+IDEAL = "ideal"
+KVSERVE_GATEWAY = "kvserve"
+SGLANG_ROUTER = "sglang"
+ROUTER_KINDS = (KVSERVE_GATEWAY, SGLANG_ROUTER)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSpec:
+    """`kind:policy` (e.g. kvserve:prefix_hash, sglang:cache_aware) or `ideal`."""
+
+    kind: str
+    policy: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> RouterSpec:
+        text = text.strip()
+        if text == IDEAL:
+            return cls(IDEAL)
+        kind, _, policy = text.partition(":")
+        if kind not in ROUTER_KINDS or not policy:
+            raise ValueError(f"router {text!r}: use 'ideal' or KIND:POLICY with KIND one of "
+                             f"{', '.join(ROUTER_KINDS)} (e.g. kvserve:prefix_hash, "
+                             "sglang:cache_aware)")
+        return cls(kind, policy)
+
+    @property
+    def label(self) -> str:
+        return IDEAL if self.kind == IDEAL else f"{self.kind}:{self.policy}"
+
+
+class KvserveGateway(ManagedProcess):
+    """One `kvserve gateway` replica over `workers`."""
+
+    def __init__(self, policy: str, workers: Sequence[str], log_dir: Path,
+                 extra_args: Sequence[str] = ()) -> None:
+        super().__init__(f"gateway-{policy}", log_dir, startup_timeout_s=60.0)
+        self.policy, self.workers, self.extra_args = policy, list(workers), list(extra_args)
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        cmd = [sys.executable, "-m", "kvserve.cli", "gateway", "--host", "127.0.0.1",
+               "--port", str(self.port), "--policy", self.policy, *self.extra_args]
+        for url in self.workers:
+            cmd += ["--worker", url]
+        return cmd, dict(os.environ)
+
+
+class SglangRouter(ManagedProcess):
+    """One SGLang router replica over `workers` (its own /health once workers are registered)."""
+
+    def __init__(self, policy: str, workers: Sequence[str], log_dir: Path) -> None:
+        binary = sglang_router_binary()
+        if binary is None:  # said before anything starts
+            raise LaunchError(missing_peer_message("SGLang's router", "KVSERVE_SGLANG_ROUTER"))
+        super().__init__(f"sglang-{policy}", log_dir, startup_timeout_s=60.0)
+        self.binary, self.policy, self.workers = binary, policy, list(workers)
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        return ([str(self.binary), "launch", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                 "--policy", self.policy, "--log-level", "warn",
+                 "--worker-urls", *self.workers], dict(os.environ))
+
+
+def make_router(spec: RouterSpec, workers: Sequence[str], log_dir: Path,
+                gateway_args: Sequence[str] = ()) -> ManagedProcess:
+    if spec.kind == KVSERVE_GATEWAY:
+        return KvserveGateway(spec.policy, workers, log_dir, gateway_args)
+    if spec.kind == SGLANG_ROUTER:
+        return SglangRouter(spec.policy, workers, log_dir)
+    raise ValueError(f"{spec.label} is not a router process")
+
+
+class Fleet:
+    """`num_workers` servers of one kind, started once; `fresh()` gives a cold fleet."""
+
+    def __init__(self, server: str, spec: LaunchSpec, num_workers: int, log_dir: Path,
+                 startup_timeout_s: float) -> None:
+        if server not in (KVSERVE, VLLM):
+            raise ValueError(f"--worker-server {server!r}: choose kvserve or vllm")
+        cores = os.cpu_count() or 1
+        self.server = server
+        self.workers = [
+            LaunchedServer(server, replace(spec, cpus=str(i % cores)), log_dir,
+                           startup_timeout_s)
+            for i in range(num_workers)]
+        if server == VLLM:
+            os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache
+
+    @property
+    def urls(self) -> list[str]:
+        return [w.url for w in self.workers]
+
+    def start(self) -> None:
+        for w in self.workers:
+            w.launch()  # in parallel: each process starts while the others do
+        for w in self.workers:
+            w.wait_healthy()
+
+    def fresh(self) -> None:
+        """Cold prefix caches on every worker, every worker up."""
+        if self.server == KVSERVE:
+            for w in self.workers:
+                w.stop()
+            self.start()
+            return
+        for w in self.workers:
+            if not w.running:
+                w.launch()
+                w.wait_healthy()
+            httpx.post(f"{w.url}/reset_prefix_cache", timeout=30.0).raise_for_status()
+
+    def kill(self, index: int) -> None:
+        self.workers[index].kill()
+
+    def restart(self, index: int) -> None:
+        """Start a killed worker again on its port and wait until it is healthy."""
+        worker = self.workers[index]
+        worker.launch()
+        worker.wait_healthy()
+
+    def stop(self) -> None:
+        for w in self.workers:
+            w.stop()

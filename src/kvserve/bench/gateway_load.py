@@ -1,0 +1,307 @@
+"""The open-loop clients of `kvserve bench gateway`, and the workers' own hit counters.
+
+Each request is sent at its arrival time (open loop: a slow fleet does not slow the arrivals),
+streaming, with the tenant in `X-Tenant-Id`. Clients behave like production ones (`ClientPolicy`):
+
+- a 429 or 503 is backpressure: wait `Retry-After` (default 1 s) and send again;
+- a failed attempt (connection refused or reset, an error before or during the stream) is resent
+  after `error_backoff_s`, at most `max_retries` times;
+- with `ttft_timeout_s`, an attempt with no first token by then is abandoned (the connection is
+  closed, which is all a client can do) and resent, counted against `max_retries`: the retry storm;
+- a request not done `deadline_s` after its arrival is lost.
+
+TTFT and end-to-end latency are what the user sees: from the request's first send to the first
+token / the end of the attempt that succeeded. Where each attempt goes is the caller's `target`
+(a router replica in round-robin, or the client-side ideal split).
+
+`CounterPoller` scrapes every worker's /metrics once a second and sums the increase of the
+prefix-cache counters (vLLM's names, which kvserve and vLLM both export), a drop counting as a
+restart (Prometheus `increase` semantics), so a fleet's hit rate survives a worker restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvserve.bench.gateway_workload import GatewayRequest
+from kvserve.gateway.scraper import apply_metrics
+from kvserve.gateway.worker_pool import WorkerState
+
+
+@dataclass(frozen=True, slots=True)
+class ClientPolicy:
+    """How clients react to slowness and failure (see the module docstring)."""
+
+    ttft_timeout_s: float | None = None
+    max_retries: int = 3
+    deadline_s: float = 120.0
+    error_backoff_s: float = 0.2
+    default_retry_after_s: float = 1.0
+
+
+@dataclass(slots=True)
+class RequestResult:
+    """One logical request; times in seconds. `ok` when an attempt streamed to its end."""
+
+    request_id: str
+    tenant: str
+    ok: bool = False
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    output_tokens: int = 0
+    attempts: int = 0
+    timeouts: int = 0
+    rejections: int = 0  # 429 / 503 answers
+    failures: int = 0  # other failed attempts
+    error: str | None = None
+
+
+class _Rejected(Exception):
+    def __init__(self, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+
+
+class _Failed(Exception):
+    pass
+
+
+Target = Callable[[GatewayRequest, int], str]
+"""(request, attempt number from 0) -> base URL the attempt goes to."""
+
+
+@dataclass(slots=True)
+class _Attempt:
+    ttft_s: float | None = None
+    output_tokens: int = 0
+    first_token: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, object],
+                  tenant: str, started: float, attempt: _Attempt,
+                  default_retry_after_s: float) -> None:
+    headers = {"X-Tenant-Id": tenant}
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body,
+                                 headers=headers) as resp:
+            if resp.status_code in (429, 503):
+                await resp.aread()
+                retry_after = resp.headers.get("Retry-After")
+                try:
+                    wait = float(retry_after) if retry_after else default_retry_after_s
+                except ValueError:
+                    wait = default_retry_after_s
+                raise _Rejected(wait)
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                raise _Failed(f"HTTP {resp.status_code}: {text[:200]}")
+            done = False
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise _Failed(f"stream error: {str(chunk['error'])[:200]}")
+                usage = chunk.get("usage")
+                if usage:
+                    attempt.output_tokens = int(usage.get("completion_tokens") or 0)
+                if attempt.ttft_s is None and any(c.get("text") for c in
+                                                  chunk.get("choices") or ()):
+                    attempt.ttft_s = time.perf_counter() - started
+                    attempt.first_token.set()
+            if not done:
+                raise _Failed("stream ended without [DONE]")
+    except (httpx.HTTPError, ValueError) as exc:
+        raise _Failed(f"{type(exc).__name__}: {exc}") from exc
+
+
+async def send_request(client: httpx.AsyncClient, request: GatewayRequest, model: str,
+                       target: Target, policy: ClientPolicy) -> RequestResult:
+    """Send `request` until it succeeds, runs out of retries, or passes its deadline."""
+    result = RequestResult(request.request_id, request.tenant)
+    body: dict[str, object] = {
+        "model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
+        "temperature": 0.0, "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True}}
+    started = time.perf_counter()
+    deadline = started + policy.deadline_s
+    retries = 0
+    for attempt_no in itertools.count():
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            result.error = result.error or "deadline passed"
+            return result
+        result.attempts += 1
+        attempt = _Attempt()
+        task = asyncio.create_task(_stream(client, target(request, attempt_no), body,
+                                           request.tenant, started, attempt,
+                                           policy.default_retry_after_s))
+        try:
+            await _first_token_or_timeout(task, attempt, policy, started, remaining)
+            await asyncio.wait_for(asyncio.shield(task), deadline - time.perf_counter())
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            if attempt.ttft_s is None and policy.ttft_timeout_s is not None:
+                result.timeouts += 1
+                retries += 1
+                if retries > policy.max_retries:
+                    result.error = f"no first token within {policy.ttft_timeout_s} s, " \
+                                   f"{policy.max_retries} retries"
+                    return result
+                continue
+            result.error = "deadline passed"
+            return result
+        except _Rejected as exc:
+            result.rejections += 1
+            await asyncio.sleep(min(exc.retry_after_s, max(0.0, deadline - time.perf_counter())))
+            continue
+        except _Failed as exc:
+            result.failures += 1
+            result.error = str(exc)
+            retries += 1
+            if retries > policy.max_retries:
+                return result
+            await asyncio.sleep(policy.error_backoff_s)
+            continue
+        result.ok, result.error = True, None
+        result.ttft_s = attempt.ttft_s
+        result.e2e_s = time.perf_counter() - started
+        result.output_tokens = attempt.output_tokens
+        return result
+    raise AssertionError("unreachable")
+
+
+async def _first_token_or_timeout(task: asyncio.Task[None], attempt: _Attempt,
+                                  policy: ClientPolicy, started: float,
+                                  remaining: float) -> None:
+    """Return once the attempt has its first token or has ended; TimeoutError when the TTFT
+    timeout (measured from this attempt's send) or the deadline comes first. Re-raises the
+    attempt's own failure."""
+    limit = remaining
+    if policy.ttft_timeout_s is not None:
+        limit = min(limit, policy.ttft_timeout_s)
+    waiter = asyncio.create_task(attempt.first_token.wait())
+    try:
+        done, _ = await asyncio.wait({task, waiter}, timeout=limit,
+                                     return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+    if task in done:
+        task.result()  # raises _Rejected / _Failed
+        return
+    if not done:
+        raise TimeoutError
+
+
+@dataclass(frozen=True, slots=True)
+class TimedAction:
+    """Something done to the fleet `at_s` seconds into the run (a worker kill or restart);
+    runs in a thread so a slow restart does not stall the clients."""
+
+    at_s: float
+    name: str
+    run: Callable[[], None]
+
+
+async def run_open_loop(requests: Sequence[GatewayRequest], model: str, target: Target,
+                        policy: ClientPolicy, actions: Sequence[TimedAction] = (),
+                        on_done: Callable[[RequestResult], None] | None = None,
+                        ) -> tuple[list[RequestResult], float, list[str]]:
+    """Send every request at its arrival time; the results (request order), the duration (first
+    send to last completion) and the actions taken, each with its time."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    timeout = httpx.Timeout(policy.deadline_s, connect=5.0)
+    log: list[str] = []
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        start = time.perf_counter()
+
+        async def one(request: GatewayRequest) -> RequestResult:
+            await asyncio.sleep(max(0.0, start + request.arrival_s - time.perf_counter()))
+            result = await send_request(client, request, model, target, policy)
+            if on_done is not None:
+                on_done(result)
+            return result
+
+        async def act(action: TimedAction) -> None:
+            await asyncio.sleep(max(0.0, start + action.at_s - time.perf_counter()))
+            began = time.perf_counter() - start
+            await asyncio.to_thread(action.run)
+            took = time.perf_counter() - start - began
+            log.append(f"{action.name} at {began:.1f} s (took {took:.1f} s)")
+
+        jobs: list[Awaitable[object]] = [act(a) for a in actions]
+        results_and_actions = await asyncio.gather(*(one(r) for r in requests), *jobs)
+        duration = time.perf_counter() - start
+    results = [r for r in results_and_actions if isinstance(r, RequestResult)]
+    return results, duration, log
+
+
+@dataclass(slots=True)
+class CounterTotals:
+    """Increases of one worker's prefix-cache counters (tokens) since polling began."""
+
+    queries: float = 0.0
+    hits: float = 0.0
+    last_queries: float | None = None
+    last_hits: float | None = None
+
+    def add(self, queries: float, hits: float) -> None:
+        for name in ("queries", "hits"):
+            value = queries if name == "queries" else hits
+            last = getattr(self, f"last_{name}")
+            if last is not None:
+                gained = value - last if value >= last else value  # a drop: the worker restarted
+                setattr(self, name, getattr(self, name) + gained)
+            setattr(self, f"last_{name}", value)
+
+
+class CounterPoller:
+    """Polls each worker's /metrics every `interval_s` until stopped (see the module docstring).
+    Call `poll_once()` before the run (the baseline) and after it (the final reading)."""
+
+    def __init__(self, worker_urls: Sequence[str], interval_s: float = 1.0) -> None:
+        self.urls = list(worker_urls)
+        self.interval_s = interval_s
+        self.totals = {url: CounterTotals() for url in self.urls}
+
+    async def poll_once(self, client: httpx.AsyncClient) -> None:
+        for url in self.urls:
+            try:
+                resp = await client.get(f"{url}/metrics", timeout=2.0)
+                resp.raise_for_status()
+            except httpx.HTTPError:
+                continue  # down (being restarted): its next reading catches up
+            state = WorkerState(url=url)
+            apply_metrics(state, resp.text)
+            self.totals[url].add(state.prefix_queries, state.prefix_hits)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        async with httpx.AsyncClient() as client:
+            await self.poll_once(client)
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.interval_s)
+                await self.poll_once(client)
+
+    def hit_rate(self) -> float:
+        queries = sum(t.queries for t in self.totals.values())
+        hits = sum(t.hits for t in self.totals.values())
+        return hits / queries if queries else float("nan")
+
+    def shares(self) -> list[float]:
+        """Each worker's share of the prompt tokens looked up fleet-wide (its load)."""
+        total = sum(t.queries for t in self.totals.values())
+        return [self.totals[u].queries / total if total else float("nan") for u in self.urls]

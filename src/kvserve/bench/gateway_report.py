@@ -1,0 +1,110 @@
+"""Figures and tables of `kvserve bench gateway`.
+
+Per run: the fleet's prefix hit rate (the workers' own counters: prompt tokens served from cache /
+prompt tokens looked up), the points it is below the `ideal` run of the same case, TTFT and
+end-to-end latency p50/p99 of the requests that completed (from their first send, so retries and
+waits count), completed requests per second, lost requests (no success by the deadline or the
+retry limit), retries (timed-out or failed attempts resent), 429/503 answers, and each worker's
+share of the prompt tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvserve.bench.gateway_load import CounterPoller, RequestResult
+from kvserve.bench.gateway_workload import GatewayRequest
+from kvserve.percentiles import percentile
+
+
+@dataclass(slots=True)
+class CaseRun:
+    case: str
+    router: str
+    replicas: int
+    requests: int
+    completed: int
+    lost: int
+    hit_rate: float
+    ttft_ms: dict[str, float]
+    e2e_ms: dict[str, float]
+    request_throughput: float
+    retries: int
+    rejections: int
+    worker_shares: list[float]
+    duration_s: float
+    actions: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    ideal_gap_pts: float = float("nan")
+    sim: dict[str, Any] | None = None  # the simulator's figures (--calibrate)
+
+    def one_line(self) -> str:
+        return (f"hit {self.hit_rate:.3f} · TTFT p50 {self.ttft_ms['p50']:.0f} ms "
+                f"p99 {self.ttft_ms['p99']:.0f} ms · {self.completed}/{self.requests} done · "
+                f"{self.retries} retries · {self.rejections} 429s · shares "
+                f"{'/'.join(f'{s:.2f}' for s in self.worker_shares)}"
+                + (f" · {'; '.join(self.actions)}" if self.actions else ""))
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _stats(values: Sequence[float]) -> dict[str, float]:
+    def pct(p: float) -> float:
+        v = percentile(values, p)
+        return float("nan") if v is None else v
+
+    return {"p50": pct(50), "p99": pct(99),
+            "mean": sum(values) / len(values) if values else float("nan")}
+
+
+def summarize(case: str, router: str, replicas: int, requests: Sequence[GatewayRequest],
+              results: Sequence[RequestResult], duration_s: float, poller: CounterPoller,
+              actions: Sequence[str]) -> CaseRun:
+    ok = [r for r in results if r.ok]
+    return CaseRun(
+        case=case, router=router, replicas=replicas, requests=len(requests),
+        completed=len(ok), lost=len(results) - len(ok), hit_rate=poller.hit_rate(),
+        ttft_ms=_stats([r.ttft_s * 1e3 for r in ok if r.ttft_s is not None]),
+        e2e_ms=_stats([r.e2e_s * 1e3 for r in ok if r.e2e_s is not None]),
+        request_throughput=len(ok) / duration_s if duration_s > 0 else float("nan"),
+        retries=sum(r.timeouts + r.failures for r in results),
+        rejections=sum(r.rejections for r in results),
+        worker_shares=poller.shares(), duration_s=duration_s, actions=list(actions),
+        errors=list(dict.fromkeys(r.error for r in results if r.error))[:3])
+
+
+def fill_ideal_gaps(runs: Sequence[CaseRun]) -> None:
+    """Points of hit rate below the ideal split of the same case (base's ideal for the
+    replica cases, where the clients' split has no replicas)."""
+    ideal = {r.case: r.hit_rate for r in runs if r.router == "ideal"}
+    for run in runs:
+        ref = ideal.get(run.case, ideal.get("base") if run.case.startswith("replicas") else None)
+        if ref is not None and not math.isnan(ref):
+            run.ideal_gap_pts = (ref - run.hit_rate) * 100.0
+
+
+def print_tables(runs: Sequence[CaseRun], title: str) -> None:
+    fill_ideal_gaps(runs)
+    table = Table(title=title, title_justify="left")
+    for col in ("case", "router", "hit rate", "below ideal (pts)", "TTFT p50 ms", "TTFT p99 ms",
+                "e2e p99 ms", "req/s", "done", "lost", "retries", "429s", "worker shares"):
+        table.add_column(col, justify="left" if col in ("case", "router") else "right")
+    for r in runs:
+        table.add_row(
+            r.case, r.router + (f" x{r.replicas}" if r.replicas > 1 else ""),
+            f"{r.hit_rate:.3f}", "" if math.isnan(r.ideal_gap_pts) else f"{r.ideal_gap_pts:.1f}",
+            f"{r.ttft_ms['p50']:.0f}", f"{r.ttft_ms['p99']:.0f}", f"{r.e2e_ms['p99']:.0f}",
+            f"{r.request_throughput:.2f}", f"{r.completed}/{r.requests}", str(r.lost),
+            str(r.retries), str(r.rejections),
+            "/".join(f"{s:.2f}" for s in r.worker_shares))
+    Console(width=200).print(table)
+    for r in runs:
+        if r.actions or r.errors:
+            print(f"{r.case} · {r.router}: " + "; ".join(r.actions + r.errors))

@@ -1,0 +1,112 @@
+"""The multi-tenant workload of `kvserve bench gateway`, as text prompts.
+
+Requests come from kvserve.workload's multi-tenant generator (tenants with long private prefixes,
+short unique suffixes, Poisson arrivals, Zipf tenant skew), so the very same `TraceRequest` list
+can be replayed by the simulator (`--calibrate`). Each 512-token content block of the trace
+(`hash_ids[i]`) becomes 512 whole-word tokens of the model's vocabulary drawn from a seed that
+is the content id, so two prompts share a text prefix exactly when they share content blocks, and
+the worker's tokenizer turns a prompt back into `input_length` tokens (plus its BOS). Text, not
+token ids: SGLang's router only accepts text.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvserve.bench.serve_prompts import PromptBuilder
+from kvserve.workload import TRACE_BLOCK_SIZE, MultiTenantSpec, TraceRequest, multi_tenant_trace
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayRequest:
+    """One request the clients send: when (seconds after the start), for whom, and what."""
+
+    request_id: str
+    arrival_s: float
+    tenant: str
+    prompt: str
+    prompt_tokens: int  # as the trace says, without the server's BOS
+    max_tokens: int
+
+
+class BlockTexts:
+    """Text of each trace content block: TRACE_BLOCK_SIZE single-token words, memoised."""
+
+    def __init__(self, builder: PromptBuilder) -> None:
+        self.words = builder.words
+        self._memo: dict[int, list[str]] = {}
+
+    def chars_per_token(self) -> float:
+        """Mean characters per word token (to size the gateway's character blocks in tokens)."""
+        return sum(map(len, self.words)) / len(self.words)
+
+    def words_of(self, content_id: int) -> list[str]:
+        words = self._memo.get(content_id)
+        if words is None:
+            rng = random.Random(f"bench-gateway/block/{content_id}")
+            words = self._memo[content_id] = [rng.choice(self.words)
+                                              for _ in range(TRACE_BLOCK_SIZE)]
+        return words
+
+    def prompt(self, request: TraceRequest) -> str:
+        """`request.input_length` words: its content blocks, then unique filler if short."""
+        words: list[str] = []
+        for content_id in request.hash_ids:
+            words.extend(self.words_of(content_id))
+            if len(words) >= request.input_length:
+                break
+        if len(words) < request.input_length:
+            rng = random.Random(f"bench-gateway/filler/{request.request_id}")
+            words.extend(rng.choice(self.words) for _ in range(request.input_length - len(words)))
+        return "".join(words[: request.input_length])
+
+
+def gateway_requests(trace: Sequence[TraceRequest], texts: BlockTexts) -> list[GatewayRequest]:
+    """The trace as text requests, arrival times relative to the first arrival."""
+    if not trace:
+        return []
+    t0 = trace[0].arrival_ms
+    return [GatewayRequest(r.request_id, (r.arrival_ms - t0) / 1000.0, r.tenant or "default",
+                           texts.prompt(r), r.input_length, r.output_length) for r in trace]
+
+
+def tenant_trace(spec: MultiTenantSpec) -> list[TraceRequest]:
+    """The generator's requests for `spec`, in arrival order."""
+    return sorted(multi_tenant_trace(spec), key=lambda r: r.arrival_ms)
+
+
+def ideal_assignment(requests: Sequence[GatewayRequest], num_workers: int) -> dict[str, int]:
+    """The client-side "ideal" split, the hit-rate ceiling: every tenant pinned to one worker,
+    tenants placed largest prefix first on the worker with the least prefix assigned so far
+    (LPT on cache footprint), so each worker caches only its own tenants' prefixes and the
+    prefixes are spread as evenly as whole tenants allow. A tenant's footprint is its shortest
+    prompt (its prefix plus the shortest suffix). Traffic is not balanced: under a skewed mix
+    the hot tenant's worker is busier, which costs TTFT, not hits."""
+    if num_workers < 1:
+        raise ValueError("num_workers must be at least 1")
+    footprint: dict[str, int] = {}
+    for r in requests:
+        footprint[r.tenant] = min(footprint.get(r.tenant, r.prompt_tokens), r.prompt_tokens)
+    loads = [0] * num_workers
+    assignment: dict[str, int] = {}
+    for tenant in sorted(footprint, key=lambda t: (-footprint[t], t)):
+        worker = min(range(num_workers), key=lambda w: (loads[w], w))
+        assignment[tenant] = worker
+        loads[worker] += footprint[tenant]
+    return assignment
+
+
+def working_set_tokens(trace: Sequence[TraceRequest]) -> int:
+    """Tokens of the content blocks that more than one request reads: the shared prefixes,
+    i.e. what a cache must hold for every repeat visit to hit."""
+    tokens: dict[int, int] = {}
+    readers: dict[int, int] = {}
+    for r in trace:
+        for i, content_id in enumerate(r.hash_ids):
+            take = min(TRACE_BLOCK_SIZE, r.input_length - i * TRACE_BLOCK_SIZE)
+            if take > 0:
+                tokens[content_id] = max(tokens.get(content_id, 0), take)
+                readers[content_id] = readers.get(content_id, 0) + 1
+    return sum(n for cid, n in tokens.items() if readers[cid] > 1)

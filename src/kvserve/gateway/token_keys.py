@@ -1,0 +1,61 @@
+"""Exact route keys from the model's own tokenizer, for the `precise` policy.
+
+A kvserve worker hashes a completion prompt's token ids (its tokenizer, special tokens added)
+in blocks of its block size, with the served model name and the tenant's cache salt folded into
+the first block. With the same tokenizer file the gateway computes the very same hashes
+(`RouteKey.from_token_ids`), so the worker's KV events name the blocks a request will hit. Chat
+requests keep the canonical-text key (rendering the model's chat template here is future work).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+from tokenizers import Tokenizer
+
+from kvserve.gateway.prefix import DEFAULT_BLOCK_TOKENS
+
+
+class TokenKeyer:
+    """Tokenizes completion prompts exactly as the workers do."""
+
+    def __init__(self, tokenizer_path: str | Path, block_size: int = DEFAULT_BLOCK_TOKENS):
+        path = Path(tokenizer_path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.is_file():
+            raise ValueError(f"--tokenizer {tokenizer_path}: no tokenizer.json there; give the "
+                             "model directory the workers serve (or its tokenizer.json)")
+        if block_size < 1:
+            raise ValueError(f"--block-size must be >= 1, got {block_size}")
+        self.tokenizer = Tokenizer.from_file(str(file))
+        self.block_size = block_size
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer.encode(prompt, add_special_tokens=True).ids)
+
+
+class ExactKeys:
+    """The gateway's `TokenKeyer`, if it has one: from `tokenizer` (a path) when given; else,
+    when `wanted` (the `precise` policy), from the first worker whose /v1/models names a local
+    model directory ("root", as vLLM and kvserve report it). Without one, keys stay textual."""
+
+    def __init__(self, tokenizer: str | None, block_size: int, wanted: bool) -> None:
+        self.keyer = TokenKeyer(tokenizer, block_size) if tokenizer else None
+        self.block_size = block_size
+        self.wanted = wanted
+        self.source = tokenizer
+
+    async def resolve(self, client: httpx.AsyncClient, workers: list[str]) -> None:
+        if self.keyer is not None or not self.wanted:
+            return
+        for url in workers:
+            try:
+                resp = await client.get(f"{url}/v1/models", timeout=5.0)
+                root = resp.json()["data"][0].get("root")
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+                continue
+            if root and (Path(root) / "tokenizer.json").is_file():
+                self.keyer = TokenKeyer(root, self.block_size)
+                self.source = root
+                return

@@ -1,0 +1,139 @@
+"""`kvserve bench gateway`: its workload, its client-side pieces, and one real small run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvserve.bench.gateway_fleet import RouterSpec
+from kvserve.bench.gateway_load import CounterTotals
+from kvserve.bench.gateway_workload import (
+    BlockTexts,
+    GatewayRequest,
+    gateway_requests,
+    ideal_assignment,
+    tenant_trace,
+    working_set_tokens,
+)
+from kvserve.bench.serve_prompts import PromptBuilder
+from kvserve.model import Tokenizer
+from kvserve.runtime.demo_model import ensure_demo_model
+from kvserve.workload import TRACE_BLOCK_SIZE, MultiTenantSpec, TraceRequest
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_pretrained(ensure_demo_model())
+
+
+def test_prompts_have_the_trace_lengths_and_share_exactly_the_tenant_prefix(
+    tokenizer: Tokenizer,
+) -> None:
+    spec = MultiTenantSpec(num_tenants=3, num_requests=12, prefix_tokens=(1024, 1536),
+                           suffix_tokens=(20, 60), output_tokens=4, rate_per_s=10.0)
+    trace = tenant_trace(spec)
+    requests = gateway_requests(trace, BlockTexts(PromptBuilder(tokenizer)))
+    bos = len(tokenizer.encode(""))
+    for req, tr in zip(requests, trace, strict=True):
+        assert len(tokenizer.encode(req.prompt)) == tr.input_length + bos
+        assert req.tenant == tr.tenant and req.max_tokens == 4
+    assert requests[0].arrival_s == 0.0
+    assert [r.arrival_s for r in requests] == sorted(r.arrival_s for r in requests)
+    by_tenant: dict[str, list[TraceRequest]] = {}
+    for tr in trace:
+        by_tenant.setdefault(tr.tenant or "", []).append(tr)
+    same = [r for r in requests if r.tenant == requests[0].tenant]
+    other = next(r for r in requests if r.tenant != requests[0].tenant)
+    prefix_blocks = len(set.intersection(*(set(t.hash_ids) for t in by_tenant[same[0].tenant])))
+    assert len(same) > 1 and prefix_blocks >= 2
+    shared = same[0].prompt[: common_prefix_len(same[0].prompt, same[1].prompt)]
+    assert len(tokenizer.encode(shared, add_special_tokens=False)) >= (
+        prefix_blocks * TRACE_BLOCK_SIZE - 1)
+    assert common_prefix_len(requests[0].prompt, other.prompt) < 40
+
+
+def common_prefix_len(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
+
+
+def _request(tenant: str, tokens: int) -> GatewayRequest:
+    return GatewayRequest(f"{tenant}-{tokens}", 0.0, tenant, "x", tokens, 1)
+
+
+def test_the_ideal_split_pins_whole_tenants_by_prefix_footprint() -> None:
+    # Footprints (shortest prompt): a 900, b 500, c 400, d 300; b's traffic is irrelevant.
+    requests = [_request("a", 900), _request("b", 500), _request("c", 400), _request("d", 300),
+                _request("b", 700), _request("b", 800)]
+    assignment = ideal_assignment(requests, 2)
+    assert assignment == {"a": 0, "b": 1, "c": 1, "d": 0}  # 900+300 | 500+400
+    assert ideal_assignment(requests, 1) == dict.fromkeys("abcd", 0)
+    with pytest.raises(ValueError, match="at least 1"):
+        ideal_assignment(requests, 0)
+
+
+def test_the_working_set_counts_content_read_more_than_once() -> None:
+    shared = (1, 2)
+    trace = [TraceRequest("r1", 0.0, 2 * TRACE_BLOCK_SIZE + 10, 1, (*shared, 10)),
+             TraceRequest("r2", 1.0, TRACE_BLOCK_SIZE + 100, 1, (*shared, 11)),
+             TraceRequest("r3", 2.0, 50, 1, (7,))]
+    # Block 1 is read twice in full; block 2 is read twice (100 tokens of it at most once
+    # in r2, whole in r1): it counts whole. Blocks 10, 11 and 7 are read once.
+    assert working_set_tokens(trace) == 2 * TRACE_BLOCK_SIZE
+
+
+def test_counter_totals_survive_a_worker_restart() -> None:
+    totals = CounterTotals()
+    totals.add(100.0, 40.0)  # the baseline: nothing counted yet
+    totals.add(300.0, 190.0)
+    totals.add(50.0, 20.0)  # the counters dropped: the worker restarted
+    totals.add(80.0, 50.0)
+    assert (totals.queries, totals.hits) == (200.0 + 50.0 + 30.0, 150.0 + 20.0 + 30.0)
+
+
+def test_router_specs_are_checked() -> None:
+    assert RouterSpec.parse("ideal").label == "ideal"
+    assert RouterSpec.parse(" sglang:cache_aware ").label == "sglang:cache_aware"
+    for bad in ("nginx:rr", "kvserve", "kvserve:"):
+        with pytest.raises(ValueError, match="KIND:POLICY"):
+            RouterSpec.parse(bad)
+
+
+def test_a_small_run_measures_every_router_and_survives_a_worker_kill(tmp_path: Path) -> None:
+    """Real workers and a real `kvserve gateway`; SGLang's router pointed at nothing is skipped
+    with a message. Calibration exercises the simulator on the same trace (built-in profile:
+    the numbers are not the point here, the plumbing is)."""
+    out = tmp_path / "gw.json"
+    env = dict(os.environ, PEERS=str(tmp_path / "no-peers"))
+    env.pop("KVSERVE_SGLANG_ROUTER", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "bench", "gateway", "--cases", "base,failover",
+         "--routers", "ideal,kvserve:prefix_hash,sglang:cache_aware", "--tenants", "3",
+         "--requests", "18", "--rate", "6", "--prefix-tokens", "512,1024",
+         "--suffix-tokens", "16,32", "--output-tokens", "4", "--calibrate", "h100",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SGLang's router is not installed" in proc.stderr
+    report = json.loads(out.read_text())
+    runs = {(r["case"], r["router"]): r for r in report["runs"]}
+    assert set(runs) == {("base", "ideal"), ("base", "kvserve:prefix_hash"),
+                         ("failover", "ideal"), ("failover", "kvserve:prefix_hash")}
+    for run in runs.values():
+        assert run["completed"] == run["requests"] == 18 and run["lost"] == 0, run
+        assert 0.0 < run["hit_rate"] < 1.0
+        assert run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"] <= run["e2e_ms"]["p99"]
+        assert sum(run["worker_shares"]) == pytest.approx(1.0)
+    ideal = runs[("base", "ideal")]
+    assert ideal["hit_rate"] > 0.5  # three tenants, each pinned: most prompt tokens hit
+    failover = runs[("failover", "kvserve:prefix_hash")]
+    assert [a.split(" at ")[0] for a in failover["actions"]] == ["kill worker 1",
+                                                                 "restart worker 1"]
+    assert runs[("base", "kvserve:prefix_hash")]["sim"]["completed"] == 18
+    assert failover["sim"] is None  # a killed worker is not simulated
+    assert "simulator vs measured" in proc.stdout

@@ -1,0 +1,77 @@
+"""`precise` end to end: real workers publish their KV events, real gateways follow them and
+key prompts with the workers' own tokenizer, so every replica routes to where the blocks are."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from tokenizers import Tokenizer
+
+from kvserve.gateway.prefix import engine_block_hashes
+from kvserve.gateway.route_key import route_request_for
+from kvserve.gateway.token_keys import TokenKeyer
+from tests.gateway.conftest import SALT_SECRET
+from tests.gateway.processes import Process, running_gateway
+
+PROMPT = "The compliance checker reads every clause of the contract and flags the risky ones. " * 2
+RUN = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+
+
+def stored_hashes(worker: Process) -> set[str]:
+    page = worker.get("/kv/events", params={"after": 0, "limit": 65536}).json()
+    return {h for e in page["events"] if e["type"] == "stored" for h in e["block_hashes"]}
+
+
+def test_the_gateway_keys_a_prompt_exactly_as_the_worker_hashes_it(
+        fleet: list[Process], tiny_model: Path, model_name: str) -> None:
+    worker = fleet[0]
+    body = {"model": model_name, "prompt": PROMPT, "cache_salt": "exact-salt", **RUN}
+    httpx.post(f"{worker.url}/v1/completions", json=body, timeout=60).raise_for_status()
+    ids = Tokenizer.from_file(str(tiny_model / "tokenizer.json")).encode(PROMPT).ids
+    expected = engine_block_hashes(ids, 16, "exact-salt", model_name)
+    assert len(expected) >= 4
+    assert {h.hex() for h in expected} <= stored_hashes(worker)
+    keyed = route_request_for("/v1/completions", body, "exact-salt", TokenKeyer(tiny_model))
+    assert keyed.prefix_hashes == expected
+    assert worker.get("/v1/models").json()["data"][0]["root"] == str(tiny_model)
+
+
+@pytest.fixture(scope="module")
+def precise_pair(fleet: list[Process], proc_logs: Path) -> Iterator[tuple[Process, Process]]:
+    """Two `precise` gateway replicas over the same workers, sharing nothing but the workers."""
+    flags = ["--policy", "precise", "--salt-secret", SALT_SECRET]
+    urls = [w.url for w in fleet]
+    with running_gateway(urls, proc_logs, flags) as a, running_gateway(urls, proc_logs, flags) as b:
+        yield a, b
+
+
+def routed(gateway: Process) -> dict[tuple[str, str], float]:
+    return {(labels["worker"], labels["branch"]): value
+            for name, labels, value in gateway.metrics().samples
+            if name == "kvserve:gateway_requests_total"}
+
+
+def send(gateway: Process, model: str, tenant: str) -> tuple[str, str]:
+    """Send PROMPT for `tenant`; the (worker, branch) the gateway chose."""
+    before = routed(gateway)
+    httpx.post(f"{gateway.url}/v1/completions", json={"model": model, "prompt": PROMPT, **RUN},
+               headers={"X-Tenant-Id": tenant}, timeout=60).raise_for_status()
+    grown = [k for k, v in routed(gateway).items() if v > before.get(k, 0.0)]
+    assert len(grown) == 1, grown
+    return grown[0]
+
+
+def test_replicas_follow_the_events_to_the_same_worker(precise_pair: tuple[Process, Process],
+                                                       model_name: str) -> None:
+    a, b = precise_pair
+    first_worker, first_branch = send(a, model_name, "acme")
+    assert first_branch == "least_load"  # nobody holds this tenant's prompt yet
+    time.sleep(1.5)  # a few event polls (every 0.25 s) for both replicas
+    assert send(b, model_name, "acme") == (first_worker, "precise_hit")
+    assert send(a, model_name, "acme") == (first_worker, "precise_hit")
+    # The same text for another tenant hashes under another salt: no hit anywhere.
+    assert send(b, model_name, "globex")[1] == "least_load"
