@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,32 @@ def test_profile_rejects_negative_coefficients() -> None:
     fields["decode_base_ms"] = -1.0
     with pytest.raises(ValueError, match="decode_base_ms"):
         CostProfile(**fields)
+
+
+def test_reading_earlier_context_costs_per_token_and_old_profiles_still_load(
+        tmp_path: Path) -> None:
+    base = BUILTIN["h100"]
+    reader = dataclasses.replace(base, prefill_floor_ms=0.0, prefill_ms_per_context_token=0.01)
+    pairs = attention_pairs(1000, 256)
+    early = reader.step_s(StepShape(256, pairs, prefill_context=0))
+    late = reader.step_s(StepShape(256, pairs, prefill_context=1000))
+    assert late - early == pytest.approx(1000 * 0.01 / 1000)
+    # A profile written before these fields existed reads them as zero.
+    old = json.loads(base.to_json())
+    for name in ("prefill_ms_per_context_token", "request_overhead_ms"):
+        old.pop(name)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    loaded = load_profile(str(path))
+    assert loaded.prefill_ms_per_context_token == loaded.request_overhead_ms == 0.0
+
+
+def test_the_request_overhead_adds_to_what_clients_see() -> None:
+    from tests.sim.helpers import run, synthetic_trace
+
+    workload = synthetic_trace(num_requests=5, rate_per_s=0.5)
+    slow_api = dataclasses.replace(BUILTIN["zero"], request_overhead_ms=50.0)
+    assert not slow_api.is_instant
+    result = run(workload, profile=slow_api)
+    assert result.num_ok == 5
+    assert result.ttft_p50 == pytest.approx(0.05) and result.ttft_p99 == pytest.approx(0.05)

@@ -2,18 +2,25 @@
 
 The simulator (`kvserve simulate --profile kvserve`) then runs kvserve fleets with these step
 times. Measured: whole `LLMEngine.step()` calls (scheduling, model, sampling), for prefill batches
-of several sizes and for decode steps of several batch sizes and contexts; prefix caching off,
-so every prompt token is computed. Fitted: the form of kvserve.sim.costmodel, by least squares on
-relative error (negative coefficients clamped to 0 and refitted).
+of several sizes, for prefill chunks late in a long prompt (chunked prefill: the cost of reading
+earlier context), and for decode steps of several batch sizes and contexts; prefix caching off,
+so every prompt token is computed. With `--server`, a real `kvserve serve` is also timed on
+short prompts: its TTFT minus the fitted step is the request overhead (HTTP, tokenization,
+hand-off). With `--colocated N`, N-1 other engines run a steady load on this machine meanwhile,
+as the other workers of a local N-worker fleet would. Fitted: the form of kvserve.sim.costmodel,
+by least squares on relative error (negative coefficients clamped to 0 and refitted).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import multiprocessing
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +37,11 @@ DECODE_SHAPES = ((1, 64), (8, 64), (32, 64), (64, 64), (8, 1024), (32, 1024), (8
 """(sequences, context tokens each) per timed decode run."""
 QUICK_PREFILL = ((32, 1), (256, 1), (128, 4))
 QUICK_DECODE = ((1, 32), (8, 32), (4, 512))
+CHUNKED = ((3072, 128), (3072, 512))
+"""(prompt tokens, chunk tokens): every chunk of the prompt is a timed step."""
+QUICK_CHUNKED = ((512, 128),)
+OVERHEAD_PROMPT_TOKENS = 64
+OVERHEAD_REQUESTS = 20
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -41,6 +53,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per shape (median)")
     p.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per shape")
     p.add_argument("--quick", action="store_true", help="three small shapes each (a smoke test)")
+    p.add_argument("--server", action="store_true",
+                   help="also time a real `kvserve serve` for the request overhead")
+    p.add_argument("--colocated", type=int, default=1, metavar="N",
+                   help="measure while N-1 other engines run a steady load (a local N-worker "
+                        "fleet's neighbours)")
     p.set_defaults(func=run)
 
 
@@ -66,6 +83,22 @@ class _Timer:
             prompt = [self.rng.randrange(self.vocab) for _ in range(prompt_len)]
             self.engine.add_request(f"p{self.next_id}", prompt, params)
             self.next_id += 1
+
+    def chunked_ms(self, prompt_len: int) -> list[tuple[int, int, float]]:
+        """(chunk start, chunk tokens, ms) of every step of one chunked prompt; the chunk size
+        is this engine's max_num_batched_tokens."""
+        self._add(1, prompt_len, 1)
+        out = []
+        request = self.engine.core.scheduler.waiting[0]
+        while self.engine.has_unfinished:
+            start_tok = request.num_computed_tokens
+            start = time.perf_counter()
+            self.engine.step()
+            ms = (time.perf_counter() - start) * 1000.0
+            done = request.num_computed_tokens - start_tok
+            if done > 1 and start_tok < prompt_len:
+                out.append((start_tok, done, ms))
+        return out
 
     def _drain(self) -> None:
         while self.engine.has_unfinished:
@@ -125,6 +158,14 @@ def measure(args: argparse.Namespace, console: Console) -> tuple[CostProfile, li
         pairs = num_seqs * attention_pairs(0, prompt_len)
         prefill.append((StepShape(prompt_len * num_seqs, pairs), ms))
         console.print(f"prefill {num_seqs} x {prompt_len}: {ms:.1f} ms")
+    for prompt_len, chunk in QUICK_CHUNKED if args.quick else CHUNKED:
+        chunker = _Timer(args.model, args.threads, chunk, 4)
+        chunker.chunked_ms(chunk)  # warm-up
+        for start, num_new, ms in chunker.chunked_ms(prompt_len):
+            prefill.append((StepShape(num_new, attention_pairs(start, num_new),
+                                      prefill_context=start), ms))
+        console.print(f"chunked prefill of {prompt_len} tokens, {chunk} a step: "
+                      f"{len(prefill)} prefill rows")
     decode: list[tuple[StepShape, float]] = []
     for num_seqs, context in decode_shapes:
         steps = timer.decode_ms(num_seqs, context, args.decode_steps)
@@ -132,8 +173,9 @@ def measure(args: argparse.Namespace, console: Console) -> tuple[CostProfile, li
         ms = statistics.median(m for _, m in steps)
         decode.append((StepShape(0, 0, num_seqs, ctx), ms))
         console.print(f"decode {num_seqs} seqs at {context} tokens: {ms:.1f} ms/step")
-    base, per_token, per_pair = _fit(
-        [(1.0, s.num_prefill_tokens, s.num_pairs) for s, _ in prefill], [m for _, m in prefill])
+    base, per_token, per_pair, per_prefill_ctx = _fit(
+        [(1.0, s.num_prefill_tokens, s.num_pairs, s.prefill_context) for s, _ in prefill],
+        [m for _, m in prefill])
     d_base, per_seq, per_ctx = _fit(
         [(1.0, s.num_decode_seqs, s.decode_context) for s, _ in decode], [m for _, m in decode])
     engine = timer.engine
@@ -141,8 +183,16 @@ def measure(args: argparse.Namespace, console: Console) -> tuple[CostProfile, li
         name="kvserve", source="", prefill_floor_ms=0.0, prefill_base_ms=base,
         prefill_ms_per_token=per_token, prefill_ms_per_pair=per_pair, decode_base_ms=d_base,
         decode_ms_per_seq=per_seq, decode_ms_per_context_token=per_ctx,
+        prefill_ms_per_context_token=per_prefill_ctx,
         kv_capacity_tokens=engine.kv_cache.pool.num_blocks * engine.kv_cache.block_size,
         max_num_batched_tokens=2048, max_num_seqs=64)
+    if args.server:
+        ttft = server_ttft_ms(timer.engine.model_path, args.threads, console)
+        step = draft.step_s(StepShape(OVERHEAD_PROMPT_TOKENS,
+                                      attention_pairs(0, OVERHEAD_PROMPT_TOKENS))) * 1000.0
+        draft = replace(draft, request_overhead_ms=max(0.0, ttft - step))
+        console.print(f"server TTFT of {OVERHEAD_PROMPT_TOKENS}-token prompts {ttft:.1f} ms, "
+                      f"step {step:.1f} ms: request overhead {draft.request_overhead_ms:.1f} ms")
     rows = [("prefill", s, m, draft.step_s(s) * 1000.0) for s, m in prefill]
     rows += [("decode", s, m, draft.step_s(s) * 1000.0) for s, m in decode]
     pre = [abs(f - m) / m for k, _, m, f in rows if k == "prefill"]
@@ -151,7 +201,8 @@ def measure(args: argparse.Namespace, console: Console) -> tuple[CostProfile, li
     profile = CostProfile(**{
         **{f: getattr(draft, f) for f in draft.__dataclass_fields__},
         "source": f"kvserve bench profile: {model}, {engine.args.resolve_num_threads()} threads, "
-                  f"{time.strftime('%Y-%m-%d')}",
+                  + (f"{args.colocated} engines colocated, " if args.colocated > 1 else "")
+                  + time.strftime("%Y-%m-%d"),
         "fit": {"rows": float(len(rows)),
                 "prefill_mean_rel_err": round(statistics.fmean(pre), 4),
                 "prefill_max_rel_err": round(max(pre), 4),
@@ -166,12 +217,17 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1 or args.decode_steps < 1:
         console.print("[red]--repeats and --decode-steps must be >= 1[/]")
         return 2
-    profile, rows = measure(args, console)
+    if args.colocated < 1:
+        console.print("[red]--colocated must be >= 1[/]")
+        return 2
+    with colocated_load(args.colocated - 1, args.model, args.threads):
+        profile, rows = measure(args, console)
     table = Table(title=f"kvserve step times, measured vs fitted ({profile.source})")
     for name in ("kind", "shape", "measured ms", "fitted ms", "error"):
         table.add_column(name, justify="left" if name in ("kind", "shape") else "right")
     for kind, shape, measured, fitted in rows:
-        desc = (f"{shape.num_prefill_tokens} tokens" if kind == "prefill"
+        ctx = f" after {shape.prefill_context}" if shape.prefill_context else ""
+        desc = (f"{shape.num_prefill_tokens} tokens{ctx}" if kind == "prefill"
                 else f"{shape.num_decode_seqs} seqs, ctx {shape.decode_context}")
         table.add_row(kind, desc, f"{measured:.2f}", f"{fitted:.2f}",
                       f"{(fitted - measured) / measured:+.0%}")
@@ -182,3 +238,63 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"wrote {out} (use it with `kvserve simulate --profile "
                   f"{'kvserve' if args.out is None else out}`)", soft_wrap=True)
     return 0
+
+
+def server_ttft_ms(model_dir: Path | None, threads: int | None, console: Console) -> float:
+    """Median TTFT of a real `kvserve serve` (same model and threads) on distinct
+    OVERHEAD_PROMPT_TOKENS-token prompts, one output token, streamed, one at a time."""
+    import asyncio
+    import tempfile
+
+    from kvserve.bench.serve_load import completion_body, run_closed_loop
+    from kvserve.bench.serve_prompts import PromptBuilder, PromptSpec
+    from kvserve.bench.server_launch import KVSERVE, LaunchedServer, LaunchSpec
+    from kvserve.model import Tokenizer
+    from kvserve.runtime.demo_model import ensure_demo_model
+
+    model_dir = model_dir or ensure_demo_model()
+    builder = PromptBuilder(Tokenizer.from_pretrained(model_dir))
+    prompts = builder.build(PromptSpec(OVERHEAD_REQUESTS + 4, OVERHEAD_PROMPT_TOKENS), "ovh")
+    spec = LaunchSpec(model_dir=Path(model_dir), served_model_name="profile",
+                      kv_cache_bytes=1 << 28, max_model_len=2048, max_num_seqs=16,
+                      max_num_batched_tokens=2048, num_threads=threads or 1)
+    with tempfile.TemporaryDirectory() as tmp, LaunchedServer(KVSERVE, spec, Path(tmp),
+                                                              120.0) as server:
+        bodies = [completion_body("profile", p, 1) for p in prompts]
+        records, _ = asyncio.run(run_closed_loop(server.url, bodies, 1, 60.0))
+    ttfts = [r.ttft_s * 1000.0 for r in records[4:] if r.error is None and r.ttft_s]
+    if not ttfts:
+        raise RuntimeError("the profiling server answered no request")
+    console.print(f"server: {len(ttfts)} requests timed")
+    return statistics.median(ttfts)
+
+
+def _steady_load(model: str | None, threads: int | None, stop: Any) -> None:
+    """A neighbour engine: prefill and decode, over and over, until `stop` is set."""
+    timer = _Timer(model, threads, 2048, 16)
+    while not stop.is_set():
+        timer._add(4, 512, 32)
+        timer._drain()
+
+
+@contextlib.contextmanager
+def colocated_load(count: int, model: str | None, threads: int | None) -> Iterator[None]:
+    """`count` neighbour engines in their own processes for the duration of the block."""
+    if count < 1:
+        yield
+        return
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    procs = [ctx.Process(target=_steady_load, args=(model, threads, stop), daemon=True)
+             for _ in range(count)]
+    for proc in procs:
+        proc.start()
+    time.sleep(5.0)  # let them load their model and reach a steady state
+    try:
+        yield
+    finally:
+        stop.set()
+        for proc in procs:
+            proc.join(30.0)
+            if proc.is_alive():
+                proc.kill()

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from kvserve.gateway.periodic import Periodic
 from kvserve.gateway.worker_pool import WorkerPool
 
 EVENTS_PATH = "/kv/events"
@@ -58,7 +59,7 @@ def apply_page(sink: EventSink, worker_id: str, events: list[dict[str, Any]],
     return len(events)
 
 
-class EventFollower:
+class EventFollower(Periodic):
     """Polls `/kv/events` of every worker in `pool` and feeds `sink` (see the module doc)."""
 
     def __init__(self, pool: WorkerPool, sink: EventSink, client: httpx.AsyncClient,
@@ -69,24 +70,12 @@ class EventFollower:
         self.cursors: dict[str, int] = {}
         self.unsupported: set[str] = set()
         self.applied = 0
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
 
     async def poll_once(self) -> None:
         await asyncio.gather(*(self._poll(url) for url in self.pool.workers
                                if url not in self.unsupported))
 
-    async def _run(self) -> None:
-        while True:
-            await self.poll_once()
-            await asyncio.sleep(self.interval_s)
+    tick = poll_once
 
     async def _poll(self, url: str) -> None:
         after = self.cursors.get(url, 0)

@@ -13,6 +13,7 @@ import time
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvserve.gateway.periodic import Periodic
 from kvserve.gateway.worker_pool import WorkerPool, WorkerState
 
 # metric family name (as the parser reports it) -> WorkerState field
@@ -45,30 +46,18 @@ def apply_metrics(worker: WorkerState, text: str) -> None:
     worker.prefix_hits = totals.get("prefix_hits", worker.prefix_hits)
 
 
-class Scraper:
+class Scraper(Periodic):
     """Polls every worker; runs as one background task on the gateway's event loop."""
 
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, interval_s: float = 1.0):
         self.pool = pool
         self.client = client
         self.interval_s = interval_s
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        self._task = asyncio.create_task(self._run())
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
 
     async def scrape_once(self) -> None:
         await asyncio.gather(*(self._scrape(w) for w in self.pool.workers.values()))
 
-    async def _run(self) -> None:
-        while True:
-            await self.scrape_once()
-            await asyncio.sleep(self.interval_s)
+    tick = scrape_once
 
     async def _scrape(self, worker: WorkerState) -> None:
         now = time.monotonic()

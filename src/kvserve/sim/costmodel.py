@@ -4,12 +4,17 @@ A step's time depends only on its shape (`StepShape`). The form, in milliseconds
 
 - a step with any prefill token:
   max(prefill_floor, prefill_base + prefill_per_token * (prefill tokens + decode seqs)
-      + prefill_per_pair * attention pairs) + decode_per_context_token * decode context
+      + prefill_per_pair * attention pairs + prefill_per_context_token * prefill context)
+  + decode_per_context_token * decode context
 - a decode-only step: decode_base + decode_per_seq * seqs + decode_per_context_token * context
 
 "Attention pairs" of a chunk computing positions [s, s + n) are n * s + n (n + 1) / 2 (each new
 token attends to every earlier one): the quadratic cost of long prompts and of suffixes on long
-cached prefixes. Profiles are JSON (`CostProfile.to_json`); see `profiles` for the built-in ones.
+cached prefixes. "Prefill context" is the earlier tokens each prefill chunk reads (the sum of
+the chunks' start positions): reading a long cached prefix costs per token, apart from the
+attention arithmetic. `request_overhead_ms` is what a request spends outside engine steps (HTTP
+in and out, tokenization, hand-off to the engine thread): added to the TTFT and latency clients
+see. Profiles are JSON (`CostProfile.to_json`); see `profiles` for the built-in ones.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class StepShape:
     num_pairs: int = 0
     num_decode_seqs: int = 0
     decode_context: int = 0
+    prefill_context: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +63,8 @@ class CostProfile:
     max_num_batched_tokens: int
     max_num_seqs: int
     fit: dict[str, float] = field(default_factory=dict)
+    prefill_ms_per_context_token: float = 0.0
+    request_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -71,7 +79,8 @@ class CostProfile:
         """True when every step takes zero time (the exactness check against the replay)."""
         return not any((self.prefill_floor_ms, self.prefill_base_ms, self.prefill_ms_per_token,
                         self.prefill_ms_per_pair, self.decode_base_ms, self.decode_ms_per_seq,
-                        self.decode_ms_per_context_token))
+                        self.decode_ms_per_context_token, self.prefill_ms_per_context_token,
+                        self.request_overhead_ms))
 
     def step_s(self, shape: StepShape) -> float:
         """Seconds one step of this shape takes (>= 0)."""
@@ -81,7 +90,8 @@ class CostProfile:
             self.prefill_floor_ms,
             self.prefill_base_ms
             + self.prefill_ms_per_token * (shape.num_prefill_tokens + shape.num_decode_seqs)
-            + self.prefill_ms_per_pair * shape.num_pairs,
+            + self.prefill_ms_per_pair * shape.num_pairs
+            + self.prefill_ms_per_context_token * shape.prefill_context,
         )
         return (ms + self.decode_ms_per_context_token * shape.decode_context) / 1000.0
 

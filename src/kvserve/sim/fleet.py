@@ -93,6 +93,7 @@ class FleetSimulator:
         self._arrivals: Iterator[ClientRequest] = iter(())
         self._num_done = 0
         self._progress: Progress | None = None
+        self._overhead_s = config.profile.request_overhead_ms / 1000.0
 
     # -- running --------------------------------------------------------------------------
 
@@ -244,7 +245,8 @@ class FleetSimulator:
     def on_first_token(self, seq: SimSeq, now: float) -> None:
         attempt = self._attempt_of.get(seq.seq_id)  # None: cancelled while its step ran
         if attempt is not None and attempt.request.first_token_at is None:
-            attempt.request.first_token_at = now
+            # What the client sees also includes the API path (profile.request_overhead_ms).
+            attempt.request.first_token_at = now + self._overhead_s
 
     def on_finish(self, seq: SimSeq, now: float) -> None:
         attempt = self._attempt_of.pop(seq.seq_id, None)
@@ -254,7 +256,7 @@ class FleetSimulator:
         assert attempt.worker_id is not None
         self.gateway.release(attempt.worker_id)
         client = attempt.request
-        client.finished_at = now
+        client.finished_at = now + self._overhead_s
         client.num_cached_tokens = max(seq.num_cached, 0)
         self._complete(client, Outcome.OK, now)
         self._pump_queue(now)

@@ -134,7 +134,7 @@ class SimScheduler:
 
 def step_shape(items: list[Item]) -> StepShape:
     """The cost model's view of a step: decode tokens (one, past the prompt) and the rest."""
-    prefill = pairs = decodes = context = 0
+    prefill = pairs = decodes = context = prefill_context = 0
     for seq, start, num_new in items:
         if num_new == 1 and start >= seq.num_prompt_tokens:
             decodes += 1
@@ -142,4 +142,5 @@ def step_shape(items: list[Item]) -> StepShape:
         else:
             prefill += num_new
             pairs += attention_pairs(start, num_new)
-    return StepShape(prefill, pairs, decodes, context)
+            prefill_context += start
+    return StepShape(prefill, pairs, decodes, context, prefill_context)

@@ -15,6 +15,7 @@ from kvserve.gateway.policies.block_index import BlockIndex
 from kvserve.gateway.policies.rendezvous import DEFAULT_PREFIX_BLOCKS
 from kvserve.gateway.policies.scoring import (
     DEFAULT_BLOCK_CREDIT,
+    DEFAULT_FOOTPRINT_WEIGHT,
     DEFAULT_LOAD_WEIGHT,
     check_weights,
     score_route,
@@ -52,8 +53,12 @@ class PrecisePolicy:
         prefix_blocks: int = DEFAULT_PREFIX_BLOCKS,
         max_blocks_per_worker: int = DEFAULT_MAX_BLOCKS_PER_WORKER,
         max_pending_blocks_per_worker: int = DEFAULT_MAX_PENDING_BLOCKS_PER_WORKER,
+        footprint_weight: float = DEFAULT_FOOTPRINT_WEIGHT,
     ) -> None:
         check_weights(block_credit, load_weight)
+        if not 0.0 <= footprint_weight < float("inf"):
+            raise ValueError(f"footprint_weight must be >= 0 and finite, got {footprint_weight}")
+        self.footprint_weight = footprint_weight
         if prefix_blocks < 1 or max_blocks_per_worker < 1 or max_pending_blocks_per_worker < 0:
             raise ValueError(
                 "prefix_blocks and max_blocks_per_worker must be >= 1 and "
@@ -102,7 +107,15 @@ class PrecisePolicy:
             load_weight=self.load_weight,
             prefix_blocks=self.prefix_blocks,
             hit_branch=Branch.PRECISE_HIT,
+            footprint=self.footprint,
+            footprint_weight=self.footprint_weight,
         )
+
+    def footprint(self, worker_id: str) -> int:
+        """Blocks the worker caches or is computing, as far as this policy knows: where a
+        prefix nobody holds goes (the emptiest), until the workers' caches are all full."""
+        pending = self._pending.get(worker_id)
+        return self.num_cached_blocks(worker_id) + (len(pending) if pending is not None else 0)
 
     def observe(self, request: RouteRequest, worker_id: str) -> None:
         """The worker is about to compute this prefix: count it as pending until events say."""

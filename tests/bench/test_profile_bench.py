@@ -1,0 +1,26 @@
+"""`kvserve bench profile`: a quick real measurement that the simulator can load."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from kvserve.sim.profiles import load_profile
+
+
+def test_a_quick_profile_with_a_real_server_loads_into_the_simulator(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "bench", "profile", "--quick", "--server",
+         "--threads", "1", "--repeats", "1", "--decode-steps", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "chunked prefill of 512 tokens" in proc.stderr
+    assert "request overhead" in proc.stderr
+    profile = load_profile(str(out))
+    assert profile.name == "kvserve" and "1 threads" in profile.source
+    # A real server spends time outside engine steps (HTTP, tokenization, hand-off).
+    assert profile.request_overhead_ms > 0.0
+    assert profile.prefill_ms_per_token > 0.0 and profile.decode_base_ms > 0.0
+    assert " after 384" in proc.stdout  # a chunk late in the prompt was timed and fitted
