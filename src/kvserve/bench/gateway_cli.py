@@ -41,10 +41,18 @@ from kvserve.bench.gateway_calibrate import (
     print_calibration,
     simulate,
 )
-from kvserve.bench.gateway_fleet import IDEAL, Fleet, RouterSpec, make_router
+from kvserve.bench.gateway_fleet import (
+    IDEAL,
+    KVSERVE_GATEWAY,
+    Fleet,
+    RouterSpec,
+    gateway_stats,
+    make_router,
+)
 from kvserve.bench.gateway_load import (
     ClientPolicy,
     CounterPoller,
+    Target,
     TimedAction,
     run_open_loop,
 )
@@ -142,7 +150,8 @@ def kv_bytes_per_token(model_dir: Path) -> int:
     cfg = json.loads((model_dir / "config.json").read_text())
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", heads) * head_dim * 4
+    return int(cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", heads) * head_dim
+               * 4)
 
 
 class Bench:
@@ -200,14 +209,18 @@ class Bench:
             results, duration, log = asyncio.run(
                 _with_poller(poller, run_open_loop(requests, self.model, target, policy,
                                                    actions)))
+            stats = (gateway_stats([r.url for r in replicas])
+                     if router.kind == KVSERVE_GATEWAY else {})
         finally:
             for r in replicas:
                 r.stop()
-        return summarize(case.name, router.label, case.replicas, requests, results, duration,
-                         poller, log)
+        run = summarize(case.name, router.label, case.replicas, requests, results, duration,
+                        poller, log)
+        run.router_stats = stats
+        return run
 
     def _target(self, router: RouterSpec, requests: list[GatewayRequest],
-                entries: list[str]):  # type: ignore[no-untyped-def]
+                entries: list[str]) -> Target:
         urls = self.fleet.urls
         if router.kind == IDEAL:
             home = ideal_assignment(requests, len(urls))

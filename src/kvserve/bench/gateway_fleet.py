@@ -92,6 +92,36 @@ class SglangRouter(ManagedProcess):
                  "--worker-urls", *self.workers], dict(os.environ))
 
 
+def gateway_stats(urls: Sequence[str]) -> dict[str, float]:
+    """What kvserve gateway replicas say they did (their /metrics, summed): requests by decision
+    branch, retries by reason, upstream errors, and the mean time spent before going upstream."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    stats: dict[str, float] = {}
+    for url in urls:
+        try:
+            text = httpx.get(f"{url}/metrics", timeout=5.0).text
+        except httpx.HTTPError:
+            continue
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                key = None
+                if sample.name == "kvserve:gateway_requests_total":
+                    key = f"branch:{sample.labels.get('branch')}"
+                elif sample.name == "kvserve:gateway_retries_total":
+                    key = f"retry:{sample.labels.get('reason')}"
+                elif sample.name == "kvserve:gateway_upstream_errors_total":
+                    key = "upstream_errors"
+                elif sample.name in ("kvserve:gateway_added_latency_seconds_sum",
+                                     "kvserve:gateway_added_latency_seconds_count"):
+                    key = sample.name.rsplit("_", 1)[1] + "_added_s"
+                if key is not None:
+                    stats[key] = stats.get(key, 0.0) + sample.value
+    if stats.get("count_added_s"):
+        stats["added_ms_mean"] = 1000.0 * stats.pop("sum_added_s") / stats.pop("count_added_s")
+    return stats
+
+
 def make_router(spec: RouterSpec, workers: Sequence[str], log_dir: Path,
                 gateway_args: Sequence[str] = ()) -> ManagedProcess:
     if spec.kind == KVSERVE_GATEWAY:

@@ -43,13 +43,17 @@ class CaseRun:
     errors: list[str] = field(default_factory=list)
     ideal_gap_pts: float = float("nan")
     sim: dict[str, Any] | None = None  # the simulator's figures (--calibrate)
+    router_stats: dict[str, float] = field(default_factory=dict)  # kvserve gateways' /metrics
 
     def one_line(self) -> str:
         return (f"hit {self.hit_rate:.3f} · TTFT p50 {self.ttft_ms['p50']:.0f} ms "
                 f"p99 {self.ttft_ms['p99']:.0f} ms · {self.completed}/{self.requests} done · "
                 f"{self.retries} retries · {self.rejections} 429s · shares "
                 f"{'/'.join(f'{s:.2f}' for s in self.worker_shares)}"
-                + (f" · {'; '.join(self.actions)}" if self.actions else ""))
+                + (f" · {'; '.join(self.actions)}" if self.actions else "")
+                + (" · gateway " + ", ".join(f"{k} {v:.0f}" for k, v in
+                                            sorted(self.router_stats.items()))
+                   if self.router_stats else ""))
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

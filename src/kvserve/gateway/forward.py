@@ -99,6 +99,10 @@ class Forwarder:
                                             BACKPRESSURE else "error").inc()
             worker = self.pool.get(url)
             worker.in_flight += 1
+            # Recorded now, not when the worker answers: a kvserve worker sends its headers
+            # with the first token, and a burst of one prefix arriving meanwhile must see where
+            # it went (else each finds no holder and the prefix is computed on every worker).
+            self.policy.observe(route, url)
             if attempt == 0:
                 self.metrics.added_latency.observe(time.monotonic() - started)
             try:
@@ -129,7 +133,6 @@ class Forwarder:
                 continue
             self.pool.record_success(url)
             worker.requests += 1
-            self.policy.observe(route, url)
             branch = decision.branch if attempt == 0 else "failover"
             self.metrics.requests.labels(url, str(branch), self.policy_name).inc()
             if attempt == 0:

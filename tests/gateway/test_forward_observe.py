@@ -1,0 +1,52 @@
+"""The forwarder records where a prefix went when it sends it, not when the worker answers: a
+kvserve worker answers with its first token, and a burst of one prefix arriving meanwhile must
+follow the first request instead of computing the prefix on every worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+import httpx
+
+from kvserve.gateway.admission import Admission
+from kvserve.gateway.forward import Forwarder
+from kvserve.gateway.metrics import GatewayMetrics
+from kvserve.gateway.policies import Branch, CacheAwarePolicy
+from kvserve.gateway.retry_budget import RetryBudget
+from kvserve.gateway.worker_pool import WorkerPool
+from tests.gateway.helpers import request
+
+
+def test_a_second_request_follows_the_first_before_the_worker_answers() -> None:
+    silent = [socket.socket(), socket.socket()]  # accept connections, never answer: slow workers
+    for sock in silent:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+    urls = [f"http://127.0.0.1:{s.getsockname()[1]}" for s in silent]
+
+    async def scenario() -> None:
+        pool = WorkerPool(urls)
+        policy = CacheAwarePolicy()
+        budget = RetryBudget()
+        metrics = GatewayMetrics(pool, Admission(8, 8, 1.0), budget)
+        async with httpx.AsyncClient() as client:
+            forwarder = Forwarder(pool, policy, client, budget, metrics, "cache_aware", 30.0)
+            route = request("the tenant's long shared system prompt " * 8, "acme")
+            first = asyncio.create_task(forwarder.open("/v1/completions", {"prompt": "x"}, {},
+                                                       route, 0.0))
+            await asyncio.sleep(0.3)  # the first request is out, its worker silent
+            assert not first.done()
+            decision = policy.route(route, pool.views(0.0))
+            chosen = [u for u in urls if pool.get(u).in_flight == 1]
+            assert [decision.worker_id] == chosen and decision.branch == Branch.AFFINITY
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for sock in silent:
+            sock.close()
