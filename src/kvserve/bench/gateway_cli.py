@@ -146,12 +146,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def kv_bytes_per_token(model_dir: Path) -> int:
-    """float32 K and V of every layer for one token, from the checkpoint's config.json."""
-    cfg = json.loads((model_dir / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return int(cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", heads) * head_dim
-               * 4)
+    """float32 K and V of every layer for one token, as the workers size their cache."""
+    import torch
+
+    from kvserve.model import ModelConfig, kv_cache_bytes_per_block
+
+    config = ModelConfig.from_file(model_dir / "config.json")
+    return kv_cache_bytes_per_block(config, 1, torch.float32)
 
 
 class Bench:

@@ -259,13 +259,16 @@ class CounterTotals:
     last_hits: float | None = None
 
     def add(self, queries: float, hits: float) -> None:
-        for name in ("queries", "hits"):
-            value = queries if name == "queries" else hits
-            last = getattr(self, f"last_{name}")
-            if last is not None:
-                gained = value - last if value >= last else value  # a drop: the worker restarted
-                setattr(self, name, getattr(self, name) + gained)
-            setattr(self, f"last_{name}", value)
+        self.queries += _increase(self.last_queries, queries)
+        self.hits += _increase(self.last_hits, hits)
+        self.last_queries, self.last_hits = queries, hits
+
+
+def _increase(last: float | None, value: float) -> float:
+    """A counter's growth since `last` (None: the first reading); a drop means it restarted."""
+    if last is None:
+        return 0.0
+    return value - last if value >= last else value
 
 
 class CounterPoller:

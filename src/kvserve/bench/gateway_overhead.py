@@ -13,10 +13,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import httpx
 from rich.console import Console
 from rich.table import Table
 
@@ -39,10 +41,6 @@ class OverheadRun:
 async def _measure(entries: Sequence[str], prompts: Sequence[str], model: str,
                    sequential: int, concurrent: int, concurrency: int) -> tuple[list[float],
                                                                                float, int]:
-    import time
-
-    import httpx
-
     rotation = itertools.cycle(entries)
     bodies = [completion_body(model, p, 1) for p in prompts]
     latencies: list[float] = []

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
@@ -84,7 +85,7 @@ def server_command(name: str, spec: LaunchSpec, port: int) -> tuple[list[str], d
     raise LaunchError(f"unknown server {name!r}; choose from {', '.join(SERVERS)}")
 
 
-class ManagedProcess:
+class ManagedProcess(ABC):
     """One server-like process on a free loopback port, in its own process group, its output
     going to `log_dir/<name>-<port>.log`. Use as a context manager: `start()` on entry (returns
     once `health_path` answers 200), `stop()` on exit. Subclasses say what to run (`command`)."""
@@ -100,8 +101,9 @@ class ManagedProcess:
         self.startup_s = 0.0
         self._proc: subprocess.Popen[bytes] | None = None
 
+    @abstractmethod
     def command(self) -> tuple[list[str], dict[str, str]]:
-        raise NotImplementedError
+        """The command line and environment that start the process."""
 
     @property
     def running(self) -> bool:

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+from abc import ABC, abstractmethod
 
 
-class Periodic:
+class Periodic(ABC):
     """Runs `tick()` (a subclass's) every `interval_s` from `start()` until `stop()`. A tick
     must not raise: the loop would die with it."""
 
     interval_s: float
     _task: asyncio.Task[None] | None = None
 
+    @abstractmethod
     async def tick(self) -> None:
-        raise NotImplementedError
+        """One round of the periodic work."""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())

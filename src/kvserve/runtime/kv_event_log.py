@@ -16,6 +16,7 @@ sees as `next_seq` below its cursor (treat it as a gap).
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -84,7 +85,6 @@ class KVEventLog:
             oldest = self._events[0]["seq"] if self._events else self._last_seq + 1
             gap = after + 1 < oldest
             start = max(0, after + 1 - oldest)
-            page = [self._events[i] for i in range(start, min(len(self._events),
-                                                                start + limit))]
+            page = list(itertools.islice(self._events, start, start + limit))
             next_seq = page[-1]["seq"] if page else max(after, oldest - 1)
         return EventPage(page, next_seq, gap)
