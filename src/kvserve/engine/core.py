@@ -27,7 +27,8 @@ class SampledToken:
 
 
 class ModelExecutor(Protocol):
-    """Runs one scheduled step; returns a sampled token for every item with `sample` True."""
+    """Runs one scheduled step: its `kv_transfers` (offloads, then loads), then the forward pass
+    over `scheduled` (possibly empty); returns a sampled token for every item with `sample`."""
 
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]: ...
 
@@ -95,8 +96,13 @@ class EngineCore:
         out = self.scheduler.schedule(self.clock())
         for request in out.finished:
             deltas.append(self._final_delta(request, (), (), ""))
-        if not out.is_empty:
-            sampled = self.executor.execute(out)
+        if not out.is_empty or out.kv_transfers:
+            try:
+                sampled = self.executor.execute(out)
+            except BaseException as exc:
+                for request in self.scheduler.abandon_step(out, f"the model step failed: {exc!r}"):
+                    self._pending[request.request_id] = self._final_delta(request, (), (), "")
+                raise
             now = self.clock()
             for request in self.scheduler.commit_step(out):
                 deltas.append(self._apply(request, sampled[request.request_id], now))

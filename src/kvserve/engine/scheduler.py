@@ -4,6 +4,8 @@ There are no prefill and decode phases: each request's `num_computed_tokens` cat
 `num_tokens` under one token budget per step. Running requests go first (oldest first), then
 waiting ones in arrival order. When blocks run out, the most recently admitted running request is
 preempted (its blocks freed, its KV recomputed later; its cached prefix blocks stay hit-able).
+With a host tier, each step also carries the copies between the tiers its allocations need
+(`SchedulerOutput.kv_transfers`), confirmed in `commit_step` or undone in `abandon_step`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.config import SchedulerConfig
 from kvserve.engine.request import FinishReason, Request, RequestStatus
-from kvserve.kvcache import AuditReport, CacheCorruption, FreeReason, KVCacheManager
+from kvserve.kvcache import AuditReport, CacheCorruption, FreeReason, KVCacheManager, KVTransfers
 
 _FREE_REASONS = {
     FinishReason.STOP: FreeReason.FINISHED,
@@ -49,11 +51,16 @@ class ScheduledRequest:
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    """What one step computes, plus the requests that ended while scheduling it."""
+    """What one step computes, plus the requests that ended while scheduling it.
+
+    `kv_transfers`: the copies between the device pool and the host tier the model must run
+    before the forward pass (offloads, then loads), even when nothing is scheduled.
+    """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)  # timeouts, corruption, too long
+    kv_transfers: KVTransfers = field(default_factory=KVTransfers)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -159,6 +166,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         out.scheduled = self._verified(scheduled, out)
+        # Taken last: a request that failed verification took its loads with it.
+        out.kv_transfers = self.kv_cache.take_transfers()
         self.num_steps += 1
         return out
 
@@ -209,8 +218,10 @@ class Scheduler:
     # -- after the model ran --------------------------------------------------------------
 
     def commit_step(self, output: SchedulerOutput) -> list[Request]:
-        """Record that the step's KV was written. Returns the requests that now need their
-        sampled token appended (their computed tokens reached the end of their sequence)."""
+        """Record that the step's KV was written (its copies between the tiers first, so loaded
+        blocks are published before the blocks computed after them). Returns the requests that
+        now need their sampled token appended (computed tokens reached the end of the sequence)."""
+        self.kv_cache.complete_transfers(output.kv_transfers)
         ready = []
         for item in output.scheduled:
             request = item.request
@@ -221,6 +232,17 @@ class Scheduler:
             if item.sample:
                 ready.append(request)
         return ready
+
+    def abandon_step(self, output: SchedulerOutput, error: str) -> list[Request]:
+        """The model failed to run `output`: its copies between the tiers are undone (nothing
+        half-copied becomes readable) and the requests whose loaded KV is missing are ended
+        with an error. Returns them; other requests recompute the step's tokens later."""
+        failed = self.kv_cache.cancel_transfers(output.kv_transfers)
+        ended = [item.request for item in output.scheduled
+                 if item.request.request_id in failed and not item.request.is_finished]
+        for request in ended:
+            self.finish(request, FinishReason.ERROR, error=error)
+        return ended
 
     def append_token(self, request: Request, token_id: int) -> None:
         """Append a sampled token to a running request (its KV is computed next step)."""

@@ -4,25 +4,33 @@ Every block is accounted for: refcounts, epochs, a ledger of holders and an audi
 books balance (DESIGN.md, "Invariants of the KV cache"). No torch, numpy, asyncio or HTTP.
 """
 
-from kvserve.kvcache.audit import AuditReport, Violation, ViolationKind
+from kvserve.kvcache.audit import AuditReport, HostCensus, Violation, ViolationKind
 from kvserve.kvcache.errors import CacheCorruption, UnknownRequest
 from kvserve.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvserve.kvcache.host_tier import HostTierCounters, HostTierStats
 from kvserve.kvcache.ledger import LedgerEntry
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.stats import KVCacheCounters, KVCacheStats
+from kvserve.kvcache.transfers import BlockLoad, BlockOffload, KVTransfers
 from kvserve.kvcache.types import FreeReason, PrefixHit, SlotAllocation
 
 __all__ = [
     "AllBlocksCleared",
     "AuditReport",
+    "BlockLoad",
+    "BlockOffload",
     "BlockRemoved",
     "BlockStored",
     "CacheCorruption",
     "FreeReason",
+    "HostCensus",
+    "HostTierCounters",
+    "HostTierStats",
     "KVCacheCounters",
     "KVCacheManager",
     "KVCacheStats",
     "KVEvent",
+    "KVTransfers",
     "LedgerEntry",
     "PrefixHit",
     "SlotAllocation",

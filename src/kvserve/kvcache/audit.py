@@ -28,7 +28,13 @@ class ViolationKind(enum.Enum):
     ORPHAN_BLOCK = "orphan_block"  # a cached block whose parent was evicted (invariant 8)
     STALE_PENDING = "stale_pending"  # a block announced as in progress by a request that is not
     LEAK = "leak"  # blocks held by a request the engine no longer runs
-    HELD_WHILE_IDLE = "held_while_idle"  # no live request, yet blocks are held
+    HELD_WHILE_IDLE = "held_while_idle"  # no live request, yet blocks (or host slots) are held
+    # The host tier (host_audit.py).
+    HOST_TIER_BROKEN = "host_tier_broken"  # a slot's state, its index and the census disagree
+    HOST_HASH_MISMATCH = "host_hash_mismatch"  # LRU key and slot's hash or tokens disagree
+    HOST_READABLE_BEFORE_COPY = "host_readable_before_copy"  # READY while its copy is unconfirmed
+    HOST_PIN_MISMATCH = "host_pin_mismatch"  # pins != in-flight loads reading the slot
+    HOST_LOAD_MISMATCH = "host_load_mismatch"  # an in-flight load's slot or block changed under it
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,8 +48,20 @@ class Violation:
 
 
 @dataclass(frozen=True, slots=True)
+class HostCensus:
+    """The host tier's slots by state, as the audit counted them."""
+
+    num_slots: int
+    num_free: int
+    num_storing: int
+    num_ready: int
+    num_pinned: int
+
+
+@dataclass(frozen=True, slots=True)
 class AuditReport:
-    """The audit's findings and the block census it was based on."""
+    """The audit's findings and the block census it was based on (`host`: the host tier's
+    census, None without one)."""
 
     num_blocks: int
     num_free_uncached: int
@@ -51,6 +69,7 @@ class AuditReport:
     num_held: int
     num_live_requests: int
     violations: tuple[Violation, ...] = field(default_factory=tuple)
+    host: HostCensus | None = None
 
     @property
     def ok(self) -> bool:
@@ -65,6 +84,10 @@ class AuditReport:
             f"{self.num_free_uncached} free-uncached of {self.num_blocks} blocks; "
             f"{self.num_live_requests} live requests"
         )
+        if self.host is not None:
+            h = self.host
+            head += (f"; host tier: {h.num_ready} ready ({h.num_pinned} pinned), "
+                     f"{h.num_storing} storing, {h.num_free} free of {h.num_slots} slots")
         lines = [head] + [f"  {v.kind.value}: {v.message}" for v in self.violations]
         return "\n".join(lines if self.violations else [head + "; ok"])
 

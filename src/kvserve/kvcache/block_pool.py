@@ -6,7 +6,7 @@ a request holds; the pool keeps refcounts, the free queue and the hash map consi
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvserve.kvcache.block import KVBlock
 from kvserve.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
@@ -19,7 +19,8 @@ class BlockPool:
 
     Contract: a block with `ref_cnt > 0` is never in the free queue and never evicted; a block in
     the hash map always carries that hash and the tokens it covers; allocation either hands out
-    exactly what was asked or changes nothing.
+    exactly what was asked or changes nothing. `on_evict`, if given, sees each evicted block
+    with its content key still set, just before the block is handed to new content.
     """
 
     def __init__(
@@ -29,6 +30,7 @@ class BlockPool:
         counters: KVCacheCounters,
         *,
         enable_events: bool = False,
+        on_evict: Callable[[KVBlock], None] | None = None,
     ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"num_blocks={num_blocks} and block_size={block_size} must be > 0")
@@ -41,6 +43,7 @@ class BlockPool:
         self.counters = counters
         self.enable_events = enable_events
         self.events: list[KVEvent] = []
+        self.on_evict = on_evict
 
     @property
     def num_free_blocks(self) -> int:
@@ -92,6 +95,8 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> None:
         assert block.block_hash is not None and block.ref_cnt == 0, f"evicting held {block}"
         block_hash = block.block_hash
+        if self.on_evict is not None:
+            self.on_evict(block)
         if self.cached.get(block_hash) is block:
             del self.cached[block_hash]
         self.num_cached_free -= 1

@@ -6,10 +6,11 @@ of block tables in the ledger that list it; the audit checks exactly that.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 from kvserve.kvcache.block import KVBlock
+from kvserve.kvcache.hashing import ROOT_HASH, TOKEN_WIDTH, chain_hashes, encode_tokens
 
 
 @dataclass(slots=True)
@@ -39,6 +40,23 @@ class RequestRecord:
     @property
     def block_ids(self) -> list[int]:
         return [block.block_id for block in self.block_table]
+
+    def extend_hashes(self, num_full_blocks: int, block_size: int) -> None:
+        """Extend the chained block hashes (and token bytes) to cover `num_full_blocks`."""
+        hashes, token_bytes = self.block_hashes, self.block_token_bytes
+        first = len(hashes)
+        if first >= num_full_blocks:
+            return
+        # One encoding for all new blocks, sliced per block: far cheaper than one per block.
+        bs = block_size
+        new_hashes, new_bytes = chain_hashes(
+            hashes[-1] if hashes else ROOT_HASH,
+            encode_tokens(self.token_ids[first * bs : num_full_blocks * bs]),
+            bs * TOKEN_WIDTH,
+            None if hashes else self.root_extra,
+        )
+        hashes.extend(new_hashes)
+        token_bytes.extend(new_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +100,19 @@ class Ledger:
 
     def __len__(self) -> int:
         return len(self._records)
+
+    def abandoned(
+        self, now: float, idle_timeout_s: float | None, live_request_ids: Collection[str] | None
+    ) -> list[RequestRecord]:
+        """Records nobody will free: not in `live_request_ids` (when given), or holding blocks
+        idle for longer than `idle_timeout_s` (when given). Oldest first."""
+        live = None if live_request_ids is None else set(live_request_ids)
+        return [
+            r for r in self._records.values()
+            if (live is not None and r.request_id not in live)
+            or (idle_timeout_s is not None and r.block_table
+                and now - r.last_active > idle_timeout_s)
+        ]
 
     def summary(self, now: float) -> list[LedgerEntry]:
         """Every live request, oldest first."""

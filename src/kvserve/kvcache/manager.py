@@ -4,6 +4,7 @@ Life of a request: `add_request` → `lookup` (read-only) → `allocate_slots` (
 consume the lookup's hit) → the model writes KV → `commit` (full blocks become shareable) → more
 `append_token_ids` / `allocate_slots` / `commit` while decoding → `free` (one path for every
 ending, idempotent). `verify` before a step proves no block was reassigned under the request.
+With a host tier, each step's copies: `take_transfers` → the model → `complete_transfers`.
 """
 
 from __future__ import annotations
@@ -17,15 +18,12 @@ from kvserve.kvcache.block import KVBlock
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.errors import CacheCorruption, UnknownRequest
 from kvserve.kvcache.events import KVEvent
-from kvserve.kvcache.hashing import (
-    ROOT_HASH,
-    TOKEN_WIDTH,
-    chain_hashes,
-    encode_extra_keys,
-    encode_tokens,
-)
+from kvserve.kvcache.hashing import encode_extra_keys
+from kvserve.kvcache.host_audit import audit_host_tier
+from kvserve.kvcache.host_tier import HostSlot, HostTier
 from kvserve.kvcache.ledger import Ledger, LedgerEntry, RequestRecord
 from kvserve.kvcache.stats import KVCacheCounters, KVCacheStats
+from kvserve.kvcache.transfers import KVTransfers, TransferLedger
 from kvserve.kvcache.types import FreeReason, PrefixHit, SlotAllocation
 
 
@@ -44,10 +42,14 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         enable_events: bool = False,
         model_id: str = "",
+        num_host_slots: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.counters = KVCacheCounters()
-        self.pool = BlockPool(num_blocks, block_size, self.counters, enable_events=enable_events)
+        # The host tier under the pool (None: off): evicted cached blocks are offloaded to it.
+        self.transfers = TransferLedger(HostTier(num_host_slots)) if num_host_slots else None
+        self.pool = BlockPool(num_blocks, block_size, self.counters, enable_events=enable_events,
+                              on_evict=self.transfers.offload if self.transfers else None)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.model_id = model_id
@@ -87,14 +89,14 @@ class KVCacheManager:
         record.last_active = self._clock()
 
     def lookup(self, request_id: str) -> PrefixHit:
-        """The longest cached head of the request's tokens. Read-only: changes no refcount,
-        queue position or hit statistic (a refused hash collision is counted). Capped so that at
-        least one token is left to compute."""
+        """The longest cached head of the request's tokens: device blocks, then READY host
+        slots. Read-only: changes no refcount, queue position, pin or hit statistic (a refused
+        hash collision is counted). Capped so that at least one token is left to compute."""
         record = self._record(request_id)
         if not self.enable_prefix_caching or record.block_table:
             return PrefixHit()
         max_blocks = (len(record.token_ids) - 1) // self.block_size
-        self._ensure_hashes(record, max_blocks)
+        record.extend_hashes(max_blocks, self.block_size)
         hit: list[KVBlock] = []
         for idx in range(max_blocks):
             block = self.pool.get_cached_block(
@@ -103,16 +105,20 @@ class KVCacheManager:
             if block is None:
                 break
             hit.append(block)
+        host_hit = self.transfers.find_hit(record, len(hit), max_blocks, self.pending) if (
+            self.transfers) else []
         num_pending = 0
-        for idx in range(len(hit), max_blocks):
+        for idx in range(len(hit) + len(host_hit), max_blocks):
             if self.pending.get(record.block_hashes[idx]) in (None, request_id):
                 break
             num_pending += 1
         return PrefixHit(
             block_ids=tuple(b.block_id for b in hit),
             epochs=tuple(b.epoch for b in hit),
-            num_tokens=len(hit) * self.block_size,
+            num_tokens=(len(hit) + len(host_hit)) * self.block_size,
             num_pending_tokens=num_pending * self.block_size,
+            host_slots=tuple(s.slot_id for s in host_hit),
+            host_epochs=tuple(s.epoch for s in host_hit),
         )
 
     def allocate_slots(
@@ -121,24 +127,30 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens after those already computed.
 
         On the first allocation `prefix_hit` (from `lookup`) is taken: its blocks join the table
-        and its tokens count as computed. Returns None when there is not enough free space, and
-        then nothing has changed: no refcount, queue position, map entry or counter.
+        and its tokens count as computed; its host slots get fresh blocks and scheduled loads
+        (published after `complete_transfers`). Returns None when there is not enough free space,
+        and then nothing has changed: no refcount, queue position, map entry, pin or counter.
         """
         # Invariant: capacity is checked before any block is touched (all-or-nothing).
         record = self._record(request_id)
         hit_blocks: list[KVBlock] = []
-        if prefix_hit is not None and prefix_hit.block_ids:
+        host_slots: list[HostSlot] = []
+        if prefix_hit is not None and (prefix_hit.block_ids or prefix_hit.host_slots):
             if record.block_table:
                 raise ValueError(f"request {request_id!r}: a prefix hit is only taken at admission")
             hit_blocks = [self.pool.blocks[i] for i in prefix_hit.block_ids]
+            host_slots = [self._host.slots[i] for i in prefix_hit.host_slots]
             # A hit must still be the very content this request hashed, at the epoch seen.
-            self._ensure_hashes(record, len(hit_blocks))
+            record.extend_hashes(len(hit_blocks) + len(host_slots), self.block_size)
             expected = record.block_hashes[: len(hit_blocks)]
             if [b.epoch for b in hit_blocks] != list(prefix_hit.epochs) or any(
                 b.block_hash != h for b, h in zip(hit_blocks, expected, strict=True)
-            ):
+            ) or (host_slots and not self._host.is_fresh(
+                host_slots, prefix_hit.host_epochs, record.block_hashes[len(hit_blocks) :]
+            )):
                 raise ValueError(f"request {request_id!r}: stale prefix hit; call lookup again")
-        num_computed = record.num_computed_tokens + len(hit_blocks) * self.block_size
+        num_hit_blocks = len(hit_blocks) + len(host_slots)
+        num_computed = record.num_computed_tokens + num_hit_blocks * self.block_size
         num_tokens = num_computed + num_new_tokens
         if num_tokens > len(record.token_ids) or num_new_tokens < 0:
             raise ValueError(
@@ -153,19 +165,28 @@ class KVCacheManager:
 
         is_admission = not record.block_table
         self.pool.touch(hit_blocks, request_id)
+        for slot in host_slots:  # pinned before the pool evicts (and offloads) anything
+            self._host.pin(slot)
         new_blocks = self.pool.allocate(num_needed, request_id)
         assert new_blocks is not None, "free count checked above"
         for block in (*hit_blocks, *new_blocks):
             record.block_table.append(block)
             record.block_epochs.append(block.epoch)
-        if hit_blocks:
+        for offset, slot in enumerate(host_slots):
+            assert self.transfers is not None
+            self.transfers.load(request_id, len(hit_blocks) + offset, new_blocks[offset], slot)
+        if num_hit_blocks:
             record.num_computed_tokens = num_computed
             record.num_cached_tokens = num_computed
         if is_admission and self.enable_prefix_caching:
             self.counters.prefix_queries_tokens += len(record.token_ids)
             self.counters.prefix_hits_tokens += record.num_cached_tokens
+        if host_slots:
+            self._host.counters.hit_blocks += len(host_slots)
+            self._host.counters.hit_tokens += len(host_slots) * self.block_size
         if self.enable_prefix_caching:
-            self._mark_pending(record)
+            # Loaded blocks are announced too: until published, a twin request waits for them.
+            self._mark_pending(record, first=len(hit_blocks) if host_slots else None)
         record.last_active = self._clock()
         return SlotAllocation(tuple(b.block_id for b in new_blocks), record.num_cached_tokens)
 
@@ -189,23 +210,17 @@ class KVCacheManager:
         record.last_active = self._clock()
         if not self.enable_prefix_caching or num_full <= first_new_full:
             return
-        self._ensure_hashes(record, num_full)
-        bs = self.block_size
+        record.extend_hashes(num_full, self.block_size)
         for idx in range(first_new_full, num_full):
             block = record.block_table[idx]
-            block_hash = record.block_hashes[idx]
             if block.block_hash is not None:
                 # A prefix-hit block, already cached under this very hash. Any other hash is a
                 # key left behind by a reuse: counted here, named by the audit, never hit (the
                 # lookup refuses a block whose epoch moved on since it was cached).
-                if block.block_hash != block_hash:
+                if block.block_hash != record.block_hashes[idx]:
                     self.counters.corruption_detections += 1
                 continue
-            parent = record.block_hashes[idx - 1] if idx else None
-            token_ids = record.token_ids[idx * bs : (idx + 1) * bs]
-            tb = record.block_token_bytes[idx]
-            if not self.pool.cache_block(block, block_hash, parent, token_ids, tb, record.salt):
-                self._adopt_cached_twin(record, idx)
+            self._publish(record, idx)
 
     def free(self, request_id: str, reason: FreeReason = FreeReason.FINISHED) -> int:
         """Release everything the request holds; the one path for every ending. Idempotent:
@@ -214,6 +229,8 @@ class KVCacheManager:
         if record is None:
             self.counters.redundant_frees += 1
             return 0
+        if self.transfers is not None:
+            self.transfers.cancel_request(request_id)  # unpublished loads: never readable
         self._unmark_pending(record, list(record.pending_hashes))
         # Deepest block first, so a surviving prefix is always a contiguous head.
         self.pool.free(reversed(record.block_table))
@@ -228,10 +245,14 @@ class KVCacheManager:
         """Prove the request's blocks are still its own before a step reads them.
 
         Raises `CacheCorruption` (and counts it) if any block was reassigned (epoch changed),
-        released (refcount 0) or, when `checksums` are given, holds different content than the
+        released (refcount 0), a host slot it is about to load from was reassigned or is not
+        READY, or, when `checksums` are given, a block holds different content than the
         checksum recorded when it was written.
         """
         record = self._record(request_id)
+        if self.transfers is not None and (corruption := self.transfers.check_loads(request_id)):
+            self.counters.corruption_detections += 1
+            raise corruption
         for block, epoch in zip(record.block_table, record.block_epochs, strict=True):
             detail = None
             if block.epoch != epoch:
@@ -260,6 +281,11 @@ class KVCacheManager:
         leak. The report is structured; it never raises.
         """
         report = run_audit(self.pool, self.ledger, live_request_ids, self.pending)
+        if self.transfers is not None:
+            host_violations, census = audit_host_tier(self.transfers, self.ledger,
+                                                      live_request_ids)
+            report = replace(report, violations=report.violations + tuple(host_violations),
+                             host=census)
         self.counters.audit_runs += 1
         if not report.ok:
             self.counters.audit_failures += 1
@@ -277,14 +303,7 @@ class KVCacheManager:
         """Free what nobody will free: requests not in `live_request_ids` (the engine's view),
         and requests holding blocks idle for longer than `idle_timeout_s`. Counts the requests
         and blocks reclaimed; returns the reaped request ids."""
-        now = self._clock()
-        live = None if live_request_ids is None else set(live_request_ids)
-        reaped = [
-            r for r in self.ledger
-            if (live is not None and r.request_id not in live)
-            or (idle_timeout_s is not None and r.block_table
-                and now - r.last_active > idle_timeout_s)
-        ]
+        reaped = self.ledger.abandoned(self._clock(), idle_timeout_s, live_request_ids)
         for record in reaped:
             self.counters.reclaimed_blocks += self.free(record.request_id, FreeReason.REAPED)
             self.counters.reaped_requests += 1
@@ -314,13 +333,46 @@ class KVCacheManager:
             num_held_blocks=pool.num_blocks - pool.num_free_blocks,
             num_live_requests=len(self.ledger),
             counters=replace(self.counters, frees_by_reason=dict(self.counters.frees_by_reason)),
+            host=self.transfers.host.stats() if self.transfers else None,
         )
 
     def drain_events(self) -> list[KVEvent]:
         return self.pool.drain_events()
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Forget every cached block in both tiers; refused (False) while any block is held or
+        any copy between the tiers is unconfirmed."""
+        if self.transfers is not None and not self.transfers.is_idle:
+            return False
+        if not self.pool.reset_prefix_cache():
+            return False
+        if self.transfers is not None:
+            assert self.transfers.host.clear(), "an idle host tier can always be cleared"
+        return True
+
+    # -- the host tier --------------------------------------------------------------------
+
+    def take_transfers(self) -> KVTransfers:
+        """The copies the allocations since the last take scheduled: this step's transfers."""
+        return self.transfers.take() if self.transfers else KVTransfers()
+
+    def complete_transfers(self, transfers: KVTransfers) -> None:
+        """The step that ran `transfers` completed: stored host slots become READY and loaded
+        blocks are published (hit-able), never earlier."""
+        if self.transfers is None:
+            assert not transfers, "transfers without a host tier"
+            return
+        for load in self.transfers.complete(transfers):
+            record = self.ledger.get(load.request_id)
+            assert record is not None, "a freed request's loads are cancelled at free"
+            self._unmark_pending(record, [record.block_hashes[load.block_idx]])
+            self._publish(record, load.block_idx)
+
+    def cancel_transfers(self, transfers: KVTransfers) -> set[str]:
+        """The step that was to run `transfers` failed: nothing it copied becomes readable and
+        every pin is released. Returns the requests whose loaded KV is missing; the caller must
+        end them (free is the one path)."""
+        return self.transfers.cancel(transfers) if self.transfers else set()
 
     # -- internals ------------------------------------------------------------------------
 
@@ -330,12 +382,29 @@ class KVCacheManager:
             raise UnknownRequest(f"request {request_id!r} is not in the cache (not added or freed)")
         return record
 
-    def _mark_pending(self, record: RequestRecord) -> None:
-        """Announce the full blocks this request was given room for and will now compute
-        (hashes known from its lookup), unless cached or already announced by someone."""
-        first = record.num_computed_tokens // self.block_size
+    @property
+    def _host(self) -> HostTier:
+        if self.transfers is None:
+            raise ValueError("a host-tier prefix hit, but this cache has no host tier")
+        return self.transfers.host
+
+    def _publish(self, record: RequestRecord, idx: int) -> None:
+        """Make the request's fully written block `idx` hit-able (or switch to its cached twin)."""
+        bs = self.block_size
+        parent = record.block_hashes[idx - 1] if idx else None
+        token_ids = record.token_ids[idx * bs : (idx + 1) * bs]
+        if not self.pool.cache_block(record.block_table[idx], record.block_hashes[idx], parent,
+                                     token_ids, record.block_token_bytes[idx], record.salt):
+            self._adopt_cached_twin(record, idx)
+
+    def _mark_pending(self, record: RequestRecord, first: int | None = None) -> None:
+        """Announce the full blocks this request was given room for and will now compute or
+        load (from block `first`, default the first uncomputed one), unless cached or already
+        announced by someone."""
+        if first is None:
+            first = record.num_computed_tokens // self.block_size
         last = min(len(record.block_table), len(record.token_ids) // self.block_size)
-        self._ensure_hashes(record, last)
+        record.extend_hashes(last, self.block_size)
         owned = set(record.pending_hashes)
         for idx in range(first, last):
             block_hash = record.block_hashes[idx]
@@ -363,20 +432,3 @@ class KVCacheManager:
         record.block_table[idx] = twin
         record.block_epochs[idx] = twin.epoch
         self.pool.free([duplicate])
-
-    def _ensure_hashes(self, record: RequestRecord, num_full_blocks: int) -> None:
-        """Extend the request's chained block hashes to cover `num_full_blocks` full blocks."""
-        hashes, token_bytes = record.block_hashes, record.block_token_bytes
-        first = len(hashes)
-        if first >= num_full_blocks:
-            return
-        # One encoding for all new blocks, sliced per block: far cheaper than one per block.
-        bs = self.block_size
-        new_hashes, new_bytes = chain_hashes(
-            hashes[-1] if hashes else ROOT_HASH,
-            encode_tokens(record.token_ids[first * bs : num_full_blocks * bs]),
-            bs * TOKEN_WIDTH,
-            None if hashes else record.root_extra,
-        )
-        hashes.extend(new_hashes)
-        token_bytes.extend(new_bytes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.kvcache.host_tier import HostTierStats
 from kvserve.kvcache.types import FreeReason
 
 
@@ -12,7 +13,7 @@ class KVCacheCounters:
     """Monotonic counters, updated by the cache as it works (never reset while serving)."""
 
     prefix_queries_tokens: int = 0  # prompt tokens looked up at admission
-    prefix_hits_tokens: int = 0  # of those, tokens served from the cache
+    prefix_hits_tokens: int = 0  # of those, tokens served from the cache (host tier included)
     allocated_blocks: int = 0
     freed_blocks: int = 0
     evicted_blocks: int = 0
@@ -31,6 +32,7 @@ class KVCacheStats:
     """A point-in-time view: the counters plus the gauges users chart.
 
     `usage` counts evictable cached blocks as free, as vLLM's `kv_cache_usage_perc` does.
+    `host` is the host tier's own view, None when the cache has no host tier.
     """
 
     num_blocks: int
@@ -40,6 +42,7 @@ class KVCacheStats:
     num_held_blocks: int
     num_live_requests: int
     counters: KVCacheCounters
+    host: HostTierStats | None = None
 
     @property
     def usage(self) -> float:

@@ -23,15 +23,20 @@ class PrefixHit:
     """The cached head of a request's prompt, as found by a read-only lookup.
 
     `block_ids` and `epochs` pair up; the allocation that consumes the hit re-checks the epochs,
-    so a hit that went stale in between is refused rather than read. `num_pending_tokens`: how
-    many tokens right after the hit another live request is computing now; a scheduler that
-    waits for them gets them from the cache instead of computing them twice.
+    so a hit that went stale in between is refused rather than read. `host_slots` and
+    `host_epochs` pair up the same way: the hit's continuation in the host tier, the blocks right
+    after `block_ids` (copied into fresh device blocks by the step that allocates them).
+    `num_tokens` covers both tiers. `num_pending_tokens`: how many tokens right after the hit
+    another live request is computing (or loading) now; a scheduler that waits for them gets
+    them from the cache instead of computing them twice.
     """
 
     block_ids: tuple[int, ...] = ()
     epochs: tuple[int, ...] = ()
     num_tokens: int = 0
     num_pending_tokens: int = 0
+    host_slots: tuple[int, ...] = ()
+    host_epochs: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
