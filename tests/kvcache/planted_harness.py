@@ -103,11 +103,12 @@ class Findings:
 
 class Engine:
     """Just enough engine to drive the cache: it keeps the live set (the engine's truth), prefills
-    in chunks, decodes, frees, and after each step runs the checks a real engine runs."""
+    in chunks, decodes, frees, and after each step runs the checks a real engine runs. With a
+    host tier, a step's copies run (and are confirmed) before its KV is committed."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, num_host_slots: int = 0) -> None:
         self.clock = FakeClock()
-        self.mgr = KVCacheManager(num_blocks, BS, clock=self.clock)
+        self.mgr = KVCacheManager(num_blocks, BS, clock=self.clock, num_host_slots=num_host_slots)
         self.live: set[str] = set()
         self.all_or_nothing: list[str] = []
         self.tokens: dict[str, list[int]] = {}
@@ -132,6 +133,7 @@ class Engine:
         hit = self.mgr.lookup(rid)
         if self.allocate(rid, upto - hit.num_tokens, hit) is None:
             return False  # stays waiting
+        self.run_copies()
         self.mgr.commit(rid, upto if commit_upto is None else commit_upto)
         return True
 
@@ -139,6 +141,7 @@ class Engine:
         computed = self.mgr.num_computed_tokens(rid)
         if self.allocate(rid, upto - computed) is None:
             return False
+        self.run_copies()
         self.mgr.commit(rid, upto)
         return True
 
@@ -146,6 +149,10 @@ class Engine:
         self.mgr.append_token_ids(rid, [token])
         self.tokens[rid].append(token)
         return self.prefill(rid, len(self.tokens[rid]))
+
+    def run_copies(self) -> None:
+        """The model runs the step's copies between the tiers; they are confirmed."""
+        self.mgr.complete_transfers(self.mgr.take_transfers())
 
     def finish(self, rid: str, reason: FreeReason = FreeReason.FINISHED) -> None:
         self.mgr.free(rid, reason)

@@ -2,8 +2,10 @@
 
 The model is what an engine knows: its live requests, the ones it forgot (leaks), the hits it
 stashed, what each tenant has written and committed, and the cache as an external indexer sees
-it from the KV events. Its steps (`allocate`, `commit`) check each call's contract; its `check_*`
-methods are the invariants the state machine asserts after every step.
+it from the KV events. With a host tier, a commit means the step ran: its copies between the
+tiers are confirmed first, as the engine does. Its steps (`allocate`, `commit`) check each
+call's contract; its `check_*` methods are the invariants the state machine asserts after
+every step.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ def snapshot(manager: KVCacheManager) -> dict[str, object]:
     pool = manager.pool
     stats = manager.stats()
     counters = replace(stats.counters, redundant_frees=0)
+    host = manager.transfers.host if manager.transfers else None
     return {
+        "host_slots": host and [(s.state, s.epoch, s.pin_cnt, s.block_hash) for s in host.slots],
+        "host_lru": host and host.lru_slot_ids(),
         "refcounts": [b.ref_cnt for b in pool.blocks],
         "epochs": [b.epoch for b in pool.blocks],
         "hashes": [b.block_hash for b in pool.blocks],
@@ -67,9 +72,10 @@ class EngineModel:
     """The engine's record of its requests next to the cache it drives; checks them against
     each other. It never decides what happens next: the state machine does."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_host_slots: int = 0) -> None:
         self.clock = FakeClock()
-        self.mgr = KVCacheManager(num_blocks, block_size, clock=self.clock, enable_events=True)
+        self.mgr = KVCacheManager(num_blocks, block_size, clock=self.clock, enable_events=True,
+                                  num_host_slots=num_host_slots)
         self.num_blocks, self.bs = num_blocks, block_size
         self.live: dict[str, Req] = {}
         self.abandoned: dict[str, Req] = {}  # the engine forgot them; the cache still holds them
@@ -102,8 +108,31 @@ class EngineModel:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.bs)
 
+    def run_step(self) -> None:
+        """The model runs the copies scheduled since the last step; they are confirmed."""
+        transfers = self.mgr.take_transfers()
+        if transfers:
+            event("host tier copies confirmed")
+        self.mgr.complete_transfers(transfers)
+
+    def settle_if_idle(self) -> None:
+        """When the last request ends mid-step, the engine still runs the copies it scheduled
+        (offloads read blocks before they are reused), then goes idle."""
+        if not self.live and not self.abandoned:
+            self.run_step()
+
+    def fail_step(self) -> None:
+        """The step fails: its copies are undone and requests with missing loads end."""
+        for rid in self.mgr.cancel_transfers(self.mgr.take_transfers()):
+            event("failed step ended a loading request")
+            self.mgr.free(rid, FreeReason.ERROR)
+            self.live.pop(rid, None)
+            self.abandoned.pop(rid, None)
+            self.stash.pop(rid, None)
+
     def commit(self, rid: str, upto: int) -> None:
         req = self.live[rid]
+        self.run_step()  # the step that computed these tokens ran its copies first
         self.mgr.commit(rid, upto)
         req.computed = upto
         self.touch(req)
@@ -134,10 +163,16 @@ class EngineModel:
 
     def check_hit(self, rid: str, hit: PrefixHit) -> None:
         req, pool = self.live[rid], self.mgr.pool
-        num = len(hit.block_ids)
-        assert hit.num_tokens == num * self.bs and len(hit.epochs) == num
+        num_device = len(hit.block_ids)
+        num = num_device + len(hit.host_slots)
+        assert hit.num_tokens == num * self.bs and len(hit.epochs) == num_device
         assert hit.num_tokens < len(req.tokens), "the hit must leave a prompt token to compute"
         assert list(hit.epochs) == [pool.blocks[b].epoch for b in hit.block_ids]
+        if hit.host_slots:
+            host = self.mgr.transfers.host
+            assert list(hit.host_epochs) == [host.slots[s].epoch for s in hit.host_slots]
+            assert all(host.slots[s].salt == req.salt for s in hit.host_slots)
+            event("host tier hit")
         for k in range(1, num + 1):
             key = (req.salt, tuple(req.tokens[: k * self.bs]))
             assert key in self.written, (
@@ -159,10 +194,14 @@ class EngineModel:
     def check_books_balance(self) -> None:
         mgr = self.mgr
         report = mgr.audit(live_request_ids={*self.live, *self.abandoned})
+        stats = mgr.stats()
         assert report.ok, report.describe()
         census = report.num_free_uncached + report.num_free_cached + report.num_held
         assert census == self.num_blocks, report.describe()
-        stats = mgr.stats()
+        if report.host is not None:
+            host = report.host
+            assert host.num_free + host.num_storing + host.num_ready == host.num_slots
+            assert stats.host is not None and stats.host.num_ready_slots == host.num_ready
         assert stats.num_free_blocks == report.num_free_uncached + report.num_free_cached
         assert stats.num_cached_free_blocks == report.num_free_cached
         assert stats.num_held_blocks == report.num_held
@@ -172,7 +211,9 @@ class EngineModel:
         report = self.mgr.audit(live_request_ids=set(self.live))
         leaked = {v.request_id for v in report.violations if v.kind is ViolationKind.LEAK}
         assert leaked == set(self.abandoned), report.describe()
-        held_while_idle = not self.live and report.num_held > 0
+        host = report.host
+        host_held = host is not None and (host.num_storing > 0 or host.num_pinned > 0)
+        held_while_idle = not self.live and (report.num_held > 0 or host_held)
         expected = {ViolationKind.LEAK} if self.abandoned else set()
         expected |= {ViolationKind.HELD_WHILE_IDLE} if held_while_idle else set()
         assert report.kinds() == expected, report.describe()
@@ -208,6 +249,7 @@ class EngineModel:
         """Aborting everything left leaves the cache idle with every block free."""
         for rid in [*self.live, *self.abandoned]:
             self.mgr.free(rid, FreeReason.ABORTED)
+        self.run_step()  # offloads scheduled before the aborts still run
         idle = self.mgr.check_idle()
         assert idle.ok, idle.describe()
         assert self.mgr.stats().num_free_blocks == self.num_blocks

@@ -3,10 +3,11 @@
 A hypothesis state machine plays the engine: it adds requests (a few shared prefixes, random
 suffixes, three tenants), admits them with their prefix hit (sometimes a hit stashed earlier in
 the step), prefills in chunks, decodes, aborts / preempts / finishes (sometimes twice), forgets
-some requests (leaks), advances a fake clock and reaps, all under memory pressure. Its own model
-of the engine's live set and of what each tenant has written (stateful_model.py) is checked
-against the cache after every step: the audit, `verify`, the block census, the KV-event index
-and the hit rules.
+some requests (leaks), advances a fake clock and reaps, all under memory pressure. With a host
+tier (HostTierMachine: a small device pool over host slots), evictions offload, hits load, and
+steps confirm or fail their copies. Its own model of the engine's live set and of what each
+tenant has written (stateful_model.py) is checked against the cache after every step: the
+audit, `verify`, the block census, the KV-event index and the hit rules.
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     def _admit_with(self, data: st.DataObject, rid: str, hit: PrefixHit) -> None:
         req = self.model.live[rid]
         num_new = data.draw(st.integers(1, len(req.tokens) - hit.num_tokens), label="chunk")
-        if self.model.allocate(rid, num_new, hit):
+        if self.model.allocate(rid, num_new, hit) and data.draw(st.booleans(), label="step now"):
             upto = data.draw(st.integers(req.computed, req.scheduled), label="commit to")
             self.model.commit(rid, upto)
 
@@ -139,8 +140,11 @@ class KVCacheMachine(RuleBasedStateMachine):
     def admit_with_stashed_hit(self, data: st.DataObject) -> None:
         rid = self._pick(data, self.model.stashed())
         hit = self.model.stash.pop(rid)
-        pool = self.model.mgr.pool
-        if [pool.blocks[b].epoch for b in hit.block_ids] != list(hit.epochs):
+        pool, transfers = self.model.mgr.pool, self.model.mgr.transfers
+        host_is_stale = transfers is not None and hit.host_slots and not transfers.host.is_fresh(
+            [transfers.host.slots[s] for s in hit.host_slots], hit.host_epochs,
+            self.model.mgr.ledger.get(rid).block_hashes[len(hit.block_ids) :])
+        if [pool.blocks[b].epoch for b in hit.block_ids] != list(hit.epochs) or host_is_stale:
             before = snapshot(self.model.mgr)
             num_new = len(self.model.live[rid].tokens) - hit.num_tokens
             with pytest.raises(ValueError, match="stale prefix hit"):
@@ -194,6 +198,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         if reason is FreeReason.PREEMPTED:  # recompute: back to the queue with all its tokens
             mgr.add_request(rid, req.tokens, cache_salt=req.salt)
             self.model.live[rid] = Req(list(req.tokens), req.salt, self.model.clock.now)
+        self.model.settle_if_idle()
 
     @precondition(lambda self: self.model.live)
     @rule(data=st.data())
@@ -232,10 +237,24 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.model.live.pop(rid, None)
             self.model.abandoned.pop(rid, None)
             self.model.stash.pop(rid, None)
+        self.model.settle_if_idle()
+
+    @precondition(lambda self: self.model.mgr.transfers is not None)
+    @rule(fails=st.booleans())
+    def step_copies(self, fails: bool) -> None:
+        """A step ends with no commit (every chunk's KV still in flight elsewhere): its copies
+        between the tiers are confirmed, or undone when the step fails."""
+        if fails:
+            self.model.fail_step()
+            self.model.settle_if_idle()
+        else:
+            self.model.run_step()
 
     @rule()
     def reset_prefix_cache(self) -> None:
-        is_idle = self.model.mgr.stats().num_held_blocks == 0
+        transfers = self.model.mgr.transfers
+        is_idle = self.model.mgr.stats().num_held_blocks == 0 and (
+            transfers is None or transfers.is_idle)
         assert self.model.mgr.reset_prefix_cache() is is_idle
         if is_idle:
             assert not self.model.mgr.pool.cached
@@ -268,3 +287,51 @@ KVCacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestKVCacheMachine = KVCacheMachine.TestCase
+
+
+class HostTierMachine(KVCacheMachine):
+    """The same engine over a device pool small enough to evict all the time, with a host tier
+    (sometimes smaller than the pool) that keeps what it evicts."""
+
+    @initialize(
+        num_blocks=st.integers(6, 14),
+        block_size=st.integers(2, 3),
+        num_host_slots=st.integers(1, 16),
+    )
+    def setup(self, num_blocks: int, block_size: int, num_host_slots: int) -> None:
+        self._model = EngineModel(num_blocks, block_size, num_host_slots)
+
+    @rule(
+        salt=st.sampled_from(TENANTS),
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.lists(st.integers(0, 3), max_size=6),
+        step_fails=st.sampled_from([False, False, False, True]),
+    )
+    def short_request(
+        self, salt: str | None, prefix: tuple[int, ...], suffix: list[int], step_fails: bool
+    ) -> None:
+        """A request whose whole prompt runs in one step and that then finishes: it leaves its
+        prefix cached, for later admissions to evict into the host tier and hit again. When its
+        step fails, the step's copies are undone and the request ends with an error."""
+        model = self.model
+        rid = f"s{model.next_id}"
+        model.next_id += 1
+        tokens = [*prefix, *suffix]
+        model.mgr.add_request(rid, tokens, cache_salt=salt)
+        model.live[rid] = Req(tokens, salt, model.clock.now)
+        hit = model.mgr.lookup(rid)
+        model.check_hit(rid, hit)
+        if model.allocate(rid, len(tokens) - hit.num_tokens, hit):
+            if step_fails:
+                model.fail_step()  # ends `rid` if it loaded from the host tier
+                if model.live.pop(rid, None) is not None:
+                    model.mgr.free(rid, FreeReason.ERROR)
+            else:
+                model.commit(rid, len(tokens))
+                model.live.pop(rid)
+                assert model.mgr.free(rid) == model.num_blocks_for(len(tokens))
+            model.settle_if_idle()
+
+
+HostTierMachine.TestCase.settings = settings(KVCacheMachine.TestCase.settings, max_examples=150)
+TestHostTierMachine = HostTierMachine.TestCase

@@ -88,6 +88,10 @@ def audit_host_tier(
             fail(ViolationKind.HOST_PIN_MISMATCH,
                  f"host slot {slot.slot_id} has {slot.pin_cnt} pins but "
                  f"{pins[slot.slot_id]} in-flight loads read it")
+        elif slot.pin_cnt and slot.state is not SlotState.READY:
+            fail(ViolationKind.HOST_PIN_MISMATCH,
+                 f"host slot {slot.slot_id} is pinned by {slot.pin_cnt} loads but is "
+                 f"{slot.state.value}: a pinned slot was given new content")
     for load in transfers.loads.values():
         rid, slot = load.request_id, host.slots[load.host_slot]
         record = ledger.get(rid)
