@@ -8,6 +8,7 @@ from kvserve.model.attention_metadata import AttentionMetadata, compute_position
 from kvserve.model.checkpoint import demo_model_config, write_random_checkpoint
 from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
 from kvserve.model.errors import ModelLoadError
+from kvserve.model.host_kv import allocate_host_kv_caches, run_kv_transfers
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import LoadedModel, load_model, resolve_model_path
 from kvserve.model.paged_attention import (
@@ -29,6 +30,7 @@ __all__ = [
     "ModelLoadError",
     "RopeScaling",
     "Tokenizer",
+    "allocate_host_kv_caches",
     "allocate_kv_caches",
     "compute_positions",
     "demo_model_config",
@@ -36,5 +38,6 @@ __all__ = [
     "load_model",
     "paged_attention",
     "resolve_model_path",
+    "run_kv_transfers",
     "write_random_checkpoint",
 ]

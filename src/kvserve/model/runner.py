@@ -3,7 +3,7 @@
 It implements the engine's `ModelExecutor`: flattens the step's tokens (prefill chunks and
 decodes together), builds the attention metadata from the block tables the scheduler verified,
 runs the network over the paged KV cache and samples the rows whose chunk reaches the end of its
-sequence.
+sequence. With a host tier, the step's copies between the tiers run first.
 """
 
 from __future__ import annotations
@@ -14,13 +14,15 @@ import torch
 
 from kvserve.engine import SampledToken, SchedulerOutput
 from kvserve.model.attention_metadata import AttentionMetadata
+from kvserve.model.host_kv import run_kv_transfers
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import KVCache
 from kvserve.model.sampler import Sampler
 
 
 class ModelRunner:
-    """Runs `model` over `kv_caches` (one per layer) for the engine, on the model's device."""
+    """Runs `model` over `kv_caches` (one per layer) for the engine, on the model's device.
+    `host_kv_caches` (one per layer, same block layout) back the host tier, if there is one."""
 
     def __init__(
         self,
@@ -28,9 +30,11 @@ class ModelRunner:
         kv_caches: Sequence[KVCache],
         block_size: int,
         sampler: Sampler,
+        host_kv_caches: Sequence[KVCache] = (),
     ) -> None:
         self.model = model
         self.kv_caches = list(kv_caches)
+        self.host_kv_caches = list(host_kv_caches)
         self.block_size = block_size
         self.sampler = sampler
         self.device = next(model.parameters()).device
@@ -41,6 +45,11 @@ class ModelRunner:
         # K/V lands in the slot its block table names for that position.
         # Built with plain Python lists and one tensor each: per-step overhead stays small next
         # to the model for decode-heavy batches of many short queries.
+        if output.kv_transfers:
+            assert self.host_kv_caches, "copies to a host tier this runner does not have"
+            run_kv_transfers(output.kv_transfers, self.kv_caches, self.host_kv_caches)
+        if not output.scheduled:
+            return {}
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []

@@ -14,6 +14,8 @@ class EngineArgs:
 
     `model`: a local directory or a Hugging Face id (None: the built-in demo model).
     KV cache size: `num_kv_blocks` if given, else `kv_cache_memory_bytes` (default 1 GiB).
+    `kv_host_tier_bytes` > 0 adds a host-memory tier of that many bytes under the device pool
+    (evicted prefix blocks are kept there and copied back on a hit); 0 turns it off.
     `max_model_len` None means the model's `max_position_embeddings`.
     """
 
@@ -21,6 +23,7 @@ class EngineArgs:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
+    kv_host_tier_bytes: int = 0
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -39,6 +42,12 @@ class EngineArgs:
             raise ValueError(f"num_kv_blocks must be at least 1, got {self.num_kv_blocks}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.kv_host_tier_bytes < 0:
+            raise ValueError(f"kv_host_tier_bytes must be >= 0 (0 turns the host tier off), got "
+                             f"{self.kv_host_tier_bytes}")
+        if self.kv_host_tier_bytes and not self.enable_prefix_caching:
+            raise ValueError("the host KV tier keeps evicted prefix-cache blocks, so it needs "
+                             "prefix caching; enable it or set kv_host_tier_bytes=0")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -54,6 +63,18 @@ class EngineArgs:
                 "raise it or lower block_size"
             )
         return num_blocks
+
+    def resolve_num_host_slots(self, bytes_per_block: int) -> int:
+        """Slots in the host tier: as many blocks as `kv_host_tier_bytes` holds (0: off)."""
+        if not self.kv_host_tier_bytes:
+            return 0
+        num_slots = self.kv_host_tier_bytes // bytes_per_block
+        if num_slots < 1:
+            raise ValueError(
+                f"kv_host_tier_bytes={self.kv_host_tier_bytes} holds no block of "
+                f"{bytes_per_block} bytes; give at least {bytes_per_block} or 0 to turn it off"
+            )
+        return num_slots
 
     def resolve_num_threads(self) -> int:
         if self.num_threads is not None:

@@ -25,6 +25,7 @@ from kvserve.engine import (
 from kvserve.kvcache import AuditReport, KVCacheManager, KVCacheStats
 from kvserve.model import (
     Tokenizer,
+    allocate_host_kv_caches,
     allocate_kv_caches,
     kv_cache_bytes_per_block,
     load_model,
@@ -87,8 +88,9 @@ class LLMEngine:
         loaded = load_model(path, device=args.device, dtype=dtype)
         tokenizer = Tokenizer.from_pretrained(loaded.path)
         config = loaded.config
-        num_blocks = args.resolve_num_blocks(
-            kv_cache_bytes_per_block(config, args.block_size, loaded.dtype))
+        bytes_per_block = kv_cache_bytes_per_block(config, args.block_size, loaded.dtype)
+        num_blocks = args.resolve_num_blocks(bytes_per_block)
+        num_host_slots = args.resolve_num_host_slots(bytes_per_block)
         max_model_len = args.max_model_len or config.max_position_embeddings
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -96,11 +98,15 @@ class LLMEngine:
         name = args.served_model_name or (DEMO_MODEL_NAME if args.model is None else args.model)
         kv_cache = KVCacheManager(num_blocks, args.block_size,
                                   enable_prefix_caching=args.enable_prefix_caching,
-                                  enable_events=True, model_id=name)
+                                  enable_events=True, model_id=name,
+                                  num_host_slots=num_host_slots)
         kv_caches = allocate_kv_caches(config, num_blocks, args.block_size, dtype=loaded.dtype,
                                        device=loaded.device)
+        host_kv_caches = allocate_host_kv_caches(
+            config, num_host_slots, args.block_size, dtype=loaded.dtype,
+            pin_memory=torch.device(loaded.device).type == "cuda") if num_host_slots else []
         runner = ModelRunner(loaded.model, kv_caches, args.block_size,
-                             Sampler(args.seed, loaded.device))
+                             Sampler(args.seed, loaded.device), host_kv_caches)
         scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
                                               max_model_len, args.audit_interval_steps), kv_cache)
         eos = frozenset(loaded.eos_token_ids) | (

@@ -25,6 +25,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    type=int, default=None, help="number of KV blocks (overrides the memory size)")
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                    help="bytes for the KV cache (default 1 GiB)")
+    p.add_argument("--kv-host-tier-bytes", type=int, default=0,
+                   help="bytes of host memory that keep evicted prefix blocks and copy them "
+                        "back on a hit (default 0: off)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="max running requests")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     p.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens")
@@ -42,6 +45,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=args.model, served_model_name=args.served_model_name, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        kv_host_tier_bytes=args.kv_host_tier_bytes,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         dtype=args.dtype, device=args.device, seed=args.seed,

@@ -19,6 +19,11 @@ def kv_report(engine: LLMEngine) -> dict[str, Any]:
     ledger = kv.ledger_summary()
     counters = asdict(stats.counters)
     counters["frees_by_reason"] = {k.value: v for k, v in stats.counters.frees_by_reason.items()}
+    host_tier = None if stats.host is None else {
+        "census": asdict(report.host) if report.host is not None else None,
+        "usage": stats.host.usage,
+        "counters": asdict(stats.host.counters),
+    }
     return {
         "audit": {
             "ok": report.ok,
@@ -39,4 +44,5 @@ def kv_report(engine: LLMEngine) -> dict[str, Any]:
             for e in ledger[:10]
         ],
         "block_size": stats.block_size,
+        "host_tier": host_tier,
     }

@@ -104,6 +104,38 @@ class EngineCollector(Collector):
         for reason in FreeReason:
             frees.add_metric([self.model_name, reason.value], c.frees_by_reason.get(reason, 0))
         yield frees
+        if kv.host is None:
+            return
+        host, hc = kv.host, kv.host.counters
+        for name, doc, v in (
+            ("kvserve:kv_host_slots", "Slots (blocks) in the host KV tier.", host.num_slots),
+            ("kvserve:kv_host_free_slots", "Host slots holding nothing.", host.num_free_slots),
+            ("kvserve:kv_host_ready_slots", "Host slots holding a hit-able block.",
+             host.num_ready_slots),
+            ("kvserve:kv_host_storing_slots", "Host slots whose copy from the device is not yet "
+             "confirmed.", host.num_storing_slots),
+            ("kvserve:kv_host_pinned_slots", "Host slots an in-flight load reads.",
+             host.num_pinned_slots),
+            ("kvserve:kv_host_usage_perc", "Host tier usage (1 = every slot used).", host.usage),
+        ):
+            yield gauge(name, doc, v)
+        for name, doc, v in (
+            ("kvserve:kv_host_hit_blocks", "Prefix blocks served from the host tier.",
+             hc.hit_blocks),
+            ("kvserve:kv_host_hit_tokens", "Prompt tokens served from the host tier (also in "
+             "vllm:prefix_cache_hits).", hc.hit_tokens),
+            ("kvserve:kv_host_stores", "Evicted device blocks copied to the host tier.",
+             hc.stores),
+            ("kvserve:kv_host_loads", "Host blocks copied back to the device.", hc.loads),
+            ("kvserve:kv_host_evictions", "Host blocks dropped to make room.", hc.evictions),
+            ("kvserve:kv_host_dropped_stores", "Evicted device blocks not kept: every host slot "
+             "was busy.", hc.dropped_stores),
+            ("kvserve:kv_host_cancelled_copies", "Copies between the tiers undone before they "
+             "were confirmed.", hc.cancelled_stores + hc.cancelled_loads),
+            ("kvserve:kv_host_hash_collisions", "Host hash matches refused by the token "
+             "re-check.", hc.hash_collisions),
+        ):
+            yield counter(name, doc, v)
 
 
 class ServerMetrics:
