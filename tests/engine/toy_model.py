@@ -33,11 +33,15 @@ def reference_generate(prompt: Sequence[int], max_tokens: int, eos: int | None =
 
 
 class PagedToyModel:
-    """Implements `ModelExecutor` over `num_blocks * block_size` slots."""
+    """Implements `ModelExecutor` over `num_blocks * block_size` slots, and a host tier of
+    `num_host_slots` blocks that the step's copies move KV to and from (offloads first)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_host_slots: int = 0) -> None:
         self.block_size = block_size
         self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
+        self.host: list[list[tuple[int, int] | None]] = [[None] * block_size
+                                                         for _ in range(num_host_slots)]
+        self.fail_next = False  # the next step raises before it runs anything
         self.num_steps = 0
         self.tokens_computed = 0
         self.released: list[str] = []
@@ -50,7 +54,17 @@ class PagedToyModel:
         self.released.extend(request_ids)
 
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("the device fell over")
         self.num_steps += 1
+        bs = self.block_size
+        for offload in output.kv_transfers.offloads:
+            start = offload.block_id * bs
+            self.host[offload.host_slot] = self.slots[start : start + bs]
+        for load in output.kv_transfers.loads:
+            start = load.block_id * bs
+            self.slots[start : start + bs] = self.host[load.host_slot]
         sampled = {}
         for item in output.scheduled:
             for j, token in enumerate(item.token_ids):
