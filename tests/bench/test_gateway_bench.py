@@ -134,6 +134,13 @@ def test_a_small_run_measures_every_router_and_survives_a_worker_kill(tmp_path: 
     failover = runs[("failover", "kvserve:prefix_hash")]
     assert [a.split(" at ")[0] for a in failover["actions"]] == ["kill worker 1",
                                                                  "restart worker 1"]
-    assert runs[("base", "kvserve:prefix_hash")]["sim"]["completed"] == 18
+    base = runs[("base", "kvserve:prefix_hash")]
+    assert base["sim"]["completed"] == 18
+    # The simulator routes on the gateway's own keys, so rendezvous puts each tenant on the
+    # same worker in both (a tenant is about a third of the tokens; a rare spill, 1/18).
+    for measured, simulated in zip(base["worker_shares"], base["sim"]["worker_shares"],
+                                   strict=True):
+        assert abs(measured - simulated) < 0.12, (base["worker_shares"],
+                                                  base["sim"]["worker_shares"])
     assert failover["sim"] is None  # a killed worker is not simulated
     assert "simulator vs measured" in proc.stdout

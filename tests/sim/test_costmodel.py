@@ -97,12 +97,14 @@ def test_reading_earlier_context_costs_per_token_and_old_profiles_still_load(
     assert late - early == pytest.approx(1000 * 0.01 / 1000)
     # A profile written before these fields existed reads them as zero.
     old = json.loads(base.to_json())
-    for name in ("prefill_ms_per_context_token", "request_overhead_ms"):
+    for name in ("prefill_ms_per_context_token", "request_overhead_ms",
+                 "request_overhead_ms_per_prompt_token"):
         old.pop(name)
     path = tmp_path / "old.json"
     path.write_text(json.dumps(old))
     loaded = load_profile(str(path))
     assert loaded.prefill_ms_per_context_token == loaded.request_overhead_ms == 0.0
+    assert loaded.request_overhead_ms_per_prompt_token == 0.0
 
 
 def test_the_request_overhead_adds_to_what_clients_see() -> None:
@@ -114,3 +116,33 @@ def test_the_request_overhead_adds_to_what_clients_see() -> None:
     result = run(workload, profile=slow_api)
     assert result.num_ok == 5
     assert result.ttft_p50 == pytest.approx(0.05) and result.ttft_p99 == pytest.approx(0.05)
+
+
+def test_the_request_overhead_grows_with_the_prompt() -> None:
+    from tests.sim.helpers import run, synthetic_trace
+
+    workload = synthetic_trace(num_requests=6, rate_per_s=0.5)
+    per_token = dataclasses.replace(BUILTIN["zero"], request_overhead_ms=2.0,
+                                    request_overhead_ms_per_prompt_token=0.01)
+    assert not per_token.is_instant
+    assert per_token.request_overhead_s(1000) == pytest.approx((2.0 + 10.0) / 1000)
+    result = run(workload, profile=per_token)
+    expected = sorted((2.0 + 0.01 * r.input_length) / 1000 for r in workload.requests)
+    # Instant steps: each TTFT is exactly its own request's overhead.
+    assert sorted(result.ttfts) == pytest.approx(expected)
+    assert len({round(t, 9) for t in result.ttfts}) > 1  # the prompts differ in length
+
+
+def test_the_overhead_fit_is_the_line_through_both_shapes() -> None:
+    from kvserve.bench.profile_overhead import OverheadPoint, fit_overhead
+
+    short = OverheadPoint("short", 65, ttft_ms=10.0, step_ms=5.0)  # 5 ms outside the step
+    long = OverheadPoint("long", 2565, ttft_ms=25.0, step_ms=15.0)  # 10 ms outside
+    base, per_token = fit_overhead(short, long)
+    assert per_token == pytest.approx(5.0 / 2500)
+    assert base + per_token * 65 == pytest.approx(5.0)
+    # A long shape cheaper outside the step than the short one: no negative slope.
+    assert fit_overhead(short, OverheadPoint("long", 2565, 12.0, 9.0)) == (pytest.approx(5.0),
+                                                                          0.0)
+    with pytest.raises(ValueError, match="more prompt tokens"):
+        fit_overhead(long, short)

@@ -38,3 +38,28 @@ def test_retries_without_backpressure_multiply_the_load() -> None:
     assert held.num_throttled > 0 and storm.num_throttled == 0
     assert held.num_ok > 2 * storm.num_ok  # and the fleet answers instead of thrashing
     assert storm.wasted_tokens / storm.computed_tokens > held.wasted_tokens / held.computed_tokens
+
+
+def test_workers_can_carry_a_real_gateways_ids() -> None:
+    """Rendezvous ranks workers by id: with the real fleet's URLs as ids, a simulated
+    prefix_hash sends each tenant where the gateway's policy ranks first for its key."""
+    import pytest
+
+    from kvserve.gateway.policies import PrefixHashPolicy, WorkerView
+    from kvserve.sim import RouteKeys
+    from kvserve.workload import prompt_token_ids
+
+    urls = ("http://127.0.0.1:41001", "http://127.0.0.1:41002", "http://127.0.0.1:41003")
+    spec = MultiTenantSpec(num_tenants=6, num_requests=12, prefix_tokens=(600, 700),
+                           suffix_tokens=(8, 16), output_tokens=2, rate_per_s=0.5, seed=3)
+    workload = load_workload("multi-tenant", spec=spec)
+    result = run(workload, workers=3, policy="prefix_hash", worker_ids=urls)
+    keys, policy = RouteKeys(64), PrefixHashPolicy()
+    views = [WorkerView(worker_id=u, healthy=True, in_flight=0) for u in urls]
+    expected = dict.fromkeys(urls, 0)
+    for request in workload.requests:  # one at a time: no load, so no spill
+        expected[policy.route(keys.route_request(request, prompt_token_ids(request)),
+                              views).worker_id] += 1
+    assert {w.worker_id: w.routed for w in result.workers} == expected
+    with pytest.raises(ValueError, match="distinct"):
+        run(workload, workers=2, worker_ids=("a", "a"))

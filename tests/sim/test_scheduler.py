@@ -86,3 +86,31 @@ def test_a_decode_run_stops_where_a_seq_finishes_or_blocks_run_out() -> None:
     b.max_tokens = 50
     # 4 free blocks; each seq needs one more block every 4 steps after its first.
     assert sched.decode_run_length(items) == 8
+
+
+def test_a_request_whose_prefix_is_being_computed_waits_and_hits_it() -> None:
+    """The engine's rule: a twin arriving during a chunked prefill is not admitted to compute
+    the same blocks again; a later, unrelated request may go first; the twin then hits."""
+    kv = KVCacheManager(num_blocks=64, block_size=4)
+    sched = SimScheduler(SchedulerLimits(8, 8), kv, 256)
+    first = SimSeq("first", list(range(20)), 4, None)
+    sched.waiting.append(first)
+    items, _ = sched.schedule()
+    assert [(s.seq_id, start, n) for s, start, n in items] == [("first", 0, 8)]
+    finish_step(sched, items)
+    twin = SimSeq("twin", [*range(20), 999], 4, None)  # the same 20 tokens, then its own
+    other = SimSeq("other", list(range(500, 503)), 4, None)
+    sched.waiting.extend([twin, other])
+    items, _ = sched.schedule()
+    # first computes tokens 8..15 (its blocks 2-3 are announced); twin would compute 8.. too
+    assert [(s.seq_id, start, n) for s, start, n in items] == [("first", 8, 8)]
+    finish_step(sched, items)
+    items, _ = sched.schedule()
+    assert [(s.seq_id, start, n) for s, start, n in items] == [("first", 16, 4),
+                                                                ("other", 0, 3)]
+    assert list(sched.waiting) == [twin]  # skipped, and kept at the head
+    finish_step(sched, items)
+    items, _ = sched.schedule()
+    twin_items = [(start, n) for s, start, n in items if s is twin]
+    assert twin_items == [(20, 1)]  # all 20 shared tokens (5 blocks) hit; only its own computed
+    assert twin.num_cached == 20

@@ -37,6 +37,7 @@ from rich.console import Console
 
 from kvserve.bench.gateway_calibrate import (
     FleetShape,
+    GatewayRouteKeys,
     can_simulate,
     print_calibration,
     simulate,
@@ -117,6 +118,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     w.add_argument("--output-tokens", type=int, default=16)
     w.add_argument("--skew", type=float, default=1.2, help="Zipf skew of the 'skew' case")
     w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--repeats", type=int, default=1,
+                   help="runs of every case and router, with seeds --seed, --seed+1, ...; the "
+                        "calibration table pools them")
     w.add_argument("--overhead-prompt-tokens", type=int, default=32,
                    help="prompt of the 'overhead' case's 1-token requests")
     f = p.add_argument_group("workers")
@@ -165,8 +169,8 @@ class Bench:
         self.gateway_args = [f"--max-in-flight={args.gateway_max_in_flight}",
                              f"--queue-timeout={args.gateway_queue_timeout}", *args.gateway_arg]
 
-    def trace_for(self, case: Case) -> list[TraceRequest]:
-        spec = self.spec
+    def trace_for(self, case: Case, seed: int) -> list[TraceRequest]:
+        spec = replace(self.spec, seed=seed)
         if case.skewed:
             spec = replace(spec, skew=self.args.skew)
         if case.overload:
@@ -191,8 +195,8 @@ class Bench:
             if proc is not None:
                 proc.stop()
 
-    def run(self, case: Case, router: RouterSpec) -> CaseRun:
-        requests = gateway_requests(self.trace_for(case), self.texts)
+    def run(self, case: Case, router: RouterSpec, seed: int) -> CaseRun:
+        requests = gateway_requests(self.trace_for(case, seed), self.texts)
         urls = self.fleet.urls
         replicas = [] if router.kind == IDEAL else [
             make_router(router, urls, self.log_dir, self.gateway_args)
@@ -216,7 +220,7 @@ class Bench:
             for r in replicas:
                 r.stop()
         run = summarize(case.name, router.label, case.replicas, requests, results, duration,
-                        poller, log)
+                        poller, log, seed)
         run.router_stats = stats
         return run
 
@@ -255,8 +259,9 @@ def run(args: argparse.Namespace) -> int:
             n.strip() for n in args.cases.split(",") if n.strip()]
         cases = [case_of(n) for n in names]
         routers = [RouterSpec.parse(r) for r in args.routers.split(",") if r.strip()]
-        if args.workers < 1 or args.requests < 1 or args.rate <= 0:
-            raise ValueError("--workers and --requests must be >= 1 and --rate positive")
+        if min(args.workers, args.requests, args.repeats) < 1 or args.rate <= 0:
+            raise ValueError("--workers, --requests and --repeats must be >= 1 and --rate "
+                             "positive")
         spec = MultiTenantSpec(num_tenants=args.tenants, num_requests=args.requests,
                                prefix_tokens=args.prefix_tokens,
                                suffix_tokens=args.suffix_tokens,
@@ -304,6 +309,7 @@ def run(args: argparse.Namespace) -> int:
     sims: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-gateway-") as tmp:
         fleet = Fleet(args.worker_server, launch, args.workers, Path(tmp), args.startup_timeout)
+        shape = replace(shape, worker_ids=tuple(fleet.urls))
         bench = Bench(args, fleet, spec, texts, model_dir.name, Path(tmp), err)
         try:
             fleet.start()
@@ -318,12 +324,15 @@ def run(args: argparse.Namespace) -> int:
                             err.print(f"[yellow]{router.label}: skipped: {exc}[/]",
                                       soft_wrap=True)
                     continue
-                for router in routers:
+                # Routers interleave within a repeat, so drift on the machine hits them alike.
+                for seed, router in itertools.product(
+                        range(args.seed, args.seed + args.repeats), routers):
                     if case.replicas > 1 and router.kind == IDEAL:
                         continue  # the clients' own split has no replicas
-                    err.print(f"[bold]{case.name}[/] · {router.label} …", highlight=False)
+                    err.print(f"[bold]{case.name}[/] · seed {seed} · {router.label} …",
+                              highlight=False)
                     try:
-                        result = bench.run(case, router)
+                        result = bench.run(case, router, seed)
                     except LaunchError as exc:
                         err.print(f"[yellow]{router.label}: skipped: {exc}[/]", soft_wrap=True)
                         continue
@@ -333,8 +342,11 @@ def run(args: argparse.Namespace) -> int:
                         cp = bench.client_policy(case)
                         client = (ClientConfig.retrying(cp.ttft_timeout_s, cp.max_retries)
                                   if cp.ttft_timeout_s is not None else ClientConfig())
+                        trace = bench.trace_for(case, seed)
+                        keys = GatewayRouteKeys(gateway_requests(trace, texts), model_dir.name,
+                                                shape.route_block_tokens)
                         result.sim = sims[len(runs) - 1] = simulate(
-                            result, bench.trace_for(case), shape, profile, client)
+                            result, trace, keys, shape, profile, client)
         except LaunchError as exc:
             err.print(f"[red]fleet failed: {exc}[/]", soft_wrap=True)
             return 1

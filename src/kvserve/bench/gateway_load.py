@@ -11,7 +11,8 @@ streaming, with the tenant in `X-Tenant-Id`. Clients behave like production ones
 - a request not done `deadline_s` after its arrival is lost.
 
 TTFT and end-to-end latency are what the user sees: from the request's first send to the first
-token / the end of the attempt that succeeded. Where each attempt goes is the caller's `target`
+token (the first streamed chunk with a choice, even one whose text is still empty) / the end of
+the attempt that succeeded. Where each attempt goes is the caller's `target`
 (a router replica in round-robin, or the client-side ideal split).
 
 `CounterPoller` scrapes every worker's /metrics once a second and sums the increase of the
@@ -116,8 +117,9 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, object],
                 usage = chunk.get("usage")
                 if usage:
                     attempt.output_tokens = int(usage.get("completion_tokens") or 0)
-                if attempt.ttft_s is None and any(c.get("text") for c in
-                                                  chunk.get("choices") or ()):
+                # The first token is the first chunk carrying a choice: its text can be
+                # empty (a byte-level token that completes no character yet).
+                if attempt.ttft_s is None and chunk.get("choices"):
                     attempt.ttft_s = time.perf_counter() - started
                     attempt.first_token.set()
             if not done:

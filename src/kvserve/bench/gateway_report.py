@@ -44,6 +44,8 @@ class CaseRun:
     ideal_gap_pts: float = float("nan")
     sim: dict[str, Any] | None = None  # the simulator's figures (--calibrate)
     router_stats: dict[str, float] = field(default_factory=dict)  # kvserve gateways' /metrics
+    seed: int = 0  # of the workload (--seed, + the repeat's index with --repeats)
+    ttfts_ms: list[float] = field(default_factory=list)  # every completed request's, sorted
 
     def one_line(self) -> str:
         return (f"hit {self.hit_rate:.3f} · TTFT p50 {self.ttft_ms['p50']:.0f} ms "
@@ -70,12 +72,13 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
 
 def summarize(case: str, router: str, replicas: int, requests: Sequence[GatewayRequest],
               results: Sequence[RequestResult], duration_s: float, poller: CounterPoller,
-              actions: Sequence[str]) -> CaseRun:
+              actions: Sequence[str], seed: int = 0) -> CaseRun:
     ok = [r for r in results if r.ok]
+    ttfts = sorted(r.ttft_s * 1e3 for r in ok if r.ttft_s is not None)
     return CaseRun(
         case=case, router=router, replicas=replicas, requests=len(requests),
         completed=len(ok), lost=len(results) - len(ok), hit_rate=poller.hit_rate(),
-        ttft_ms=_stats([r.ttft_s * 1e3 for r in ok if r.ttft_s is not None]),
+        ttft_ms=_stats(ttfts), seed=seed, ttfts_ms=ttfts,
         e2e_ms=_stats([r.e2e_s * 1e3 for r in ok if r.e2e_s is not None]),
         request_throughput=len(ok) / duration_s if duration_s > 0 else float("nan"),
         retries=sum(r.timeouts + r.failures for r in results),
@@ -85,11 +88,12 @@ def summarize(case: str, router: str, replicas: int, requests: Sequence[GatewayR
 
 
 def fill_ideal_gaps(runs: Sequence[CaseRun]) -> None:
-    """Points of hit rate below the ideal split of the same case (base's ideal for the
-    replica cases, where the clients' split has no replicas)."""
-    ideal = {r.case: r.hit_rate for r in runs if r.router == "ideal"}
+    """Points of hit rate below the ideal split of the same case and seed (base's ideal for
+    the replica cases, where the clients' split has no replicas)."""
+    ideal = {(r.case, r.seed): r.hit_rate for r in runs if r.router == "ideal"}
     for run in runs:
-        ref = ideal.get(run.case, ideal.get("base") if run.case.startswith("replicas") else None)
+        ref = ideal.get((run.case, run.seed), ideal.get(("base", run.seed))
+                        if run.case.startswith("replicas") else None)
         if ref is not None and not math.isnan(ref):
             run.ideal_gap_pts = (ref - run.hit_rate) * 100.0
 
@@ -97,12 +101,13 @@ def fill_ideal_gaps(runs: Sequence[CaseRun]) -> None:
 def print_tables(runs: Sequence[CaseRun], title: str) -> None:
     fill_ideal_gaps(runs)
     table = Table(title=title, title_justify="left")
-    for col in ("case", "router", "hit rate", "below ideal (pts)", "TTFT p50 ms", "TTFT p99 ms",
+    for col in ("case", "seed", "router", "hit rate", "below ideal (pts)", "TTFT p50 ms",
+                "TTFT p99 ms",
                 "e2e p99 ms", "req/s", "done", "lost", "retries", "429s", "worker shares"):
         table.add_column(col, justify="left" if col in ("case", "router") else "right")
     for r in runs:
         table.add_row(
-            r.case, r.router + (f" x{r.replicas}" if r.replicas > 1 else ""),
+            r.case, str(r.seed), r.router + (f" x{r.replicas}" if r.replicas > 1 else ""),
             f"{r.hit_rate:.3f}", "" if math.isnan(r.ideal_gap_pts) else f"{r.ideal_gap_pts:.1f}",
             f"{r.ttft_ms['p50']:.0f}", f"{r.ttft_ms['p99']:.0f}", f"{r.e2e_ms['p99']:.0f}",
             f"{r.request_throughput:.2f}", f"{r.completed}/{r.requests}", str(r.lost),

@@ -5,10 +5,12 @@ times. Measured: whole `LLMEngine.step()` calls (scheduling, model, sampling), f
 of several sizes, for prefill chunks late in a long prompt (chunked prefill: the cost of reading
 earlier context), and for decode steps of several batch sizes and contexts; prefix caching off,
 so every prompt token is computed. With `--server`, a real `kvserve serve` is also timed on
-short prompts: its TTFT minus the fitted step is the request overhead (HTTP, tokenization,
-hand-off). With `--colocated N`, N-1 other engines run a steady load on this machine meanwhile,
-as the other workers of a local N-worker fleet would. Fitted: the form of kvserve.sim.costmodel,
-by least squares on relative error (negative coefficients clamped to 0 and refitted).
+short prompts and on prefix hits of long ones, behind a kvserve gateway: their TTFT minus the
+fitted step is the request overhead (HTTP through the gateway, tokenization, hand-off) and its
+growth per prompt token (profile_overhead.py). With `--colocated N`, N-1 other engines run a
+steady load on this machine meanwhile, as the other workers of a local N-worker fleet would.
+Fitted: the form of kvserve.sim.costmodel, by least squares on relative error (negative
+coefficients clamped to 0 and refitted).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvserve.bench.profile_overhead import fit_overhead, measure_overhead
 from kvserve.sim.costmodel import CostProfile, StepShape, attention_pairs
 from kvserve.sim.profiles import measured_profile_path
 from kvserve.sim.splitwise_fit import weighted_lstsq
@@ -40,8 +43,6 @@ QUICK_DECODE = ((1, 32), (8, 32), (4, 512))
 CHUNKED = ((3072, 128), (3072, 512))
 """(prompt tokens, chunk tokens): every chunk of the prompt is a timed step."""
 QUICK_CHUNKED = ((512, 128),)
-OVERHEAD_PROMPT_TOKENS = 64
-OVERHEAD_REQUESTS = 20
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -187,12 +188,15 @@ def measure(args: argparse.Namespace, console: Console) -> tuple[CostProfile, li
         kv_capacity_tokens=engine.kv_cache.pool.num_blocks * engine.kv_cache.block_size,
         max_num_batched_tokens=2048, max_num_seqs=64)
     if args.server:
-        ttft = server_ttft_ms(timer.engine.model_path, args.threads, console)
-        step = draft.step_s(StepShape(OVERHEAD_PROMPT_TOKENS,
-                                      attention_pairs(0, OVERHEAD_PROMPT_TOKENS))) * 1000.0
-        draft = replace(draft, request_overhead_ms=max(0.0, ttft - step))
-        console.print(f"server TTFT of {OVERHEAD_PROMPT_TOKENS}-token prompts {ttft:.1f} ms, "
-                      f"step {step:.1f} ms: request overhead {draft.request_overhead_ms:.1f} ms")
+        from kvserve.runtime.demo_model import ensure_demo_model
+
+        short, long = measure_overhead(timer.engine.model_path or ensure_demo_model(),
+                                       args.threads, draft, console, quick=args.quick)
+        base_ms, per_token_ms = fit_overhead(short, long)
+        draft = replace(draft, request_overhead_ms=base_ms,
+                        request_overhead_ms_per_prompt_token=per_token_ms)
+        console.print(f"request overhead {base_ms:.2f} ms + {per_token_ms * 1000:.3f} us per "
+                      "prompt token", highlight=False)
     rows = [("prefill", s, m, draft.step_s(s) * 1000.0) for s, m in prefill]
     rows += [("decode", s, m, draft.step_s(s) * 1000.0) for s, m in decode]
     pre = [abs(f - m) / m for k, _, m, f in rows if k == "prefill"]
@@ -238,35 +242,6 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"wrote {out} (use it with `kvserve simulate --profile "
                   f"{'kvserve' if args.out is None else out}`)", soft_wrap=True)
     return 0
-
-
-def server_ttft_ms(model_dir: Path | None, threads: int | None, console: Console) -> float:
-    """Median TTFT of a real `kvserve serve` (same model and threads) on distinct
-    OVERHEAD_PROMPT_TOKENS-token prompts, one output token, streamed, one at a time."""
-    import asyncio
-    import tempfile
-
-    from kvserve.bench.serve_load import completion_body, run_closed_loop
-    from kvserve.bench.serve_prompts import PromptBuilder, PromptSpec
-    from kvserve.bench.server_launch import KVSERVE, LaunchedServer, LaunchSpec
-    from kvserve.model import Tokenizer
-    from kvserve.runtime.demo_model import ensure_demo_model
-
-    model_dir = model_dir or ensure_demo_model()
-    builder = PromptBuilder(Tokenizer.from_pretrained(model_dir))
-    prompts = builder.build(PromptSpec(OVERHEAD_REQUESTS + 4, OVERHEAD_PROMPT_TOKENS), "ovh")
-    spec = LaunchSpec(model_dir=Path(model_dir), served_model_name="profile",
-                      kv_cache_bytes=1 << 28, max_model_len=2048, max_num_seqs=16,
-                      max_num_batched_tokens=2048, num_threads=threads or 1)
-    with tempfile.TemporaryDirectory() as tmp, LaunchedServer(KVSERVE, spec, Path(tmp),
-                                                              120.0) as server:
-        bodies = [completion_body("profile", p, 1) for p in prompts]
-        records, _ = asyncio.run(run_closed_loop(server.url, bodies, 1, 60.0))
-    ttfts = [r.ttft_s * 1000.0 for r in records[4:] if r.error is None and r.ttft_s]
-    if not ttfts:
-        raise RuntimeError("the profiling server answered no request")
-    console.print(f"server: {len(ttfts)} requests timed")
-    return statistics.median(ttfts)
 
 
 def _steady_load(model: str | None, threads: int | None, stop: Any) -> None:

@@ -12,9 +12,11 @@ A step's time depends only on its shape (`StepShape`). The form, in milliseconds
 token attends to every earlier one): the quadratic cost of long prompts and of suffixes on long
 cached prefixes. "Prefill context" is the earlier tokens each prefill chunk reads (the sum of
 the chunks' start positions): reading a long cached prefix costs per token, apart from the
-attention arithmetic. `request_overhead_ms` is what a request spends outside engine steps (HTTP
-in and out, tokenization, hand-off to the engine thread): added to the TTFT and latency clients
-see. Profiles are JSON (`CostProfile.to_json`); see `profiles` for the built-in ones.
+attention arithmetic. `request_overhead_ms` + `request_overhead_ms_per_prompt_token` * prompt
+tokens is what a request spends outside engine steps (HTTP in and out through the gateway, the
+body's parsing and tokenization, the hand-off to the engine thread): added to the TTFT and
+latency clients see. Profiles are JSON (`CostProfile.to_json`); see `profiles` for the built-in
+ones.
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class CostProfile:
     fit: dict[str, float] = field(default_factory=dict)
     prefill_ms_per_context_token: float = 0.0
     request_overhead_ms: float = 0.0
+    request_overhead_ms_per_prompt_token: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -80,7 +83,7 @@ class CostProfile:
         return not any((self.prefill_floor_ms, self.prefill_base_ms, self.prefill_ms_per_token,
                         self.prefill_ms_per_pair, self.decode_base_ms, self.decode_ms_per_seq,
                         self.decode_ms_per_context_token, self.prefill_ms_per_context_token,
-                        self.request_overhead_ms))
+                        self.request_overhead_ms, self.request_overhead_ms_per_prompt_token))
 
     def step_s(self, shape: StepShape) -> float:
         """Seconds one step of this shape takes (>= 0)."""
@@ -94,6 +97,11 @@ class CostProfile:
             + self.prefill_ms_per_context_token * shape.prefill_context,
         )
         return (ms + self.decode_ms_per_context_token * shape.decode_context) / 1000.0
+
+    def request_overhead_s(self, num_prompt_tokens: int) -> float:
+        """Seconds a request of `num_prompt_tokens` spends outside engine steps (>= 0)."""
+        return (self.request_overhead_ms
+                + self.request_overhead_ms_per_prompt_token * num_prompt_tokens) / 1000.0
 
     def decode_step_s(self, num_seqs: int, context: int) -> float:
         """Seconds of a decode-only step of `num_seqs` sequences attending to `context` tokens."""

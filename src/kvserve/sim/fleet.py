@@ -36,7 +36,9 @@ Progress = Callable[[int, int, float], None]
 @dataclass(frozen=True, slots=True)
 class SimConfig:
     """One run: the fleet, its gateway and its clients. `route_block_tokens` is the gateway's
-    prefix block (its 256-character text blocks are ~64 tokens)."""
+    prefix block (its 256-character text blocks are ~64 tokens). `worker_ids` names the workers
+    (default w00, w01, ...): rendezvous hashing ranks workers by id, so a simulation that must
+    place keys where a real gateway did uses the real gateway's ids (its worker URLs)."""
 
     num_workers: int
     worker: WorkerConfig
@@ -49,10 +51,15 @@ class SimConfig:
     route_block_tokens: int = 64
     slo_s: float = 5.0
     seed: int = 0
+    worker_ids: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError("a fleet needs at least one worker")
+        if self.worker_ids is not None and (len(self.worker_ids) != self.num_workers
+                                            or len(set(self.worker_ids)) != self.num_workers):
+            raise ValueError(f"worker_ids must be {self.num_workers} distinct names, got "
+                             f"{list(self.worker_ids)}")
         if self.policy not in SIMULATED_POLICIES:
             raise ValueError(f"policy {self.policy!r} cannot be simulated; choose one of "
                              f"{', '.join(SIMULATED_POLICIES)}")
@@ -81,7 +88,7 @@ class FleetSimulator:
         self.label = label or config.policy
         self.events = EventQueue()
         self.keys = route_keys or RouteKeys(config.route_block_tokens)
-        ids = [f"w{i:02d}" for i in range(config.num_workers)]
+        ids = list(config.worker_ids or (f"w{i:02d}" for i in range(config.num_workers)))
         self.workers = {w: SimWorker(w, config.worker, config.profile, self.events, self)
                         for w in ids}
         self.gateway = SimGateway(config.make_policy(), ids)
@@ -93,7 +100,6 @@ class FleetSimulator:
         self._arrivals: Iterator[ClientRequest] = iter(())
         self._num_done = 0
         self._progress: Progress | None = None
-        self._overhead_s = config.profile.request_overhead_ms / 1000.0
 
     # -- running --------------------------------------------------------------------------
 
@@ -233,6 +239,9 @@ class FleetSimulator:
         else:
             self._complete(client, Outcome.GAVE_UP, now)
 
+    def _overhead_s(self, client: ClientRequest) -> float:
+        return self.config.profile.request_overhead_s(client.trace.input_length)
+
     def _complete(self, client: ClientRequest, outcome: Outcome, now: float) -> None:
         client.outcome = outcome
         client.prompt = None
@@ -245,8 +254,8 @@ class FleetSimulator:
     def on_first_token(self, seq: SimSeq, now: float) -> None:
         attempt = self._attempt_of.get(seq.seq_id)  # None: cancelled while its step ran
         if attempt is not None and attempt.request.first_token_at is None:
-            # What the client sees also includes the API path (profile.request_overhead_ms).
-            attempt.request.first_token_at = now + self._overhead_s
+            # What the client sees also includes the API path (the profile's request overhead).
+            attempt.request.first_token_at = now + self._overhead_s(attempt.request)
 
     def on_finish(self, seq: SimSeq, now: float) -> None:
         attempt = self._attempt_of.pop(seq.seq_id, None)
@@ -256,7 +265,7 @@ class FleetSimulator:
         assert attempt.worker_id is not None
         self.gateway.release(attempt.worker_id)
         client = attempt.request
-        client.finished_at = now + self._overhead_s
+        client.finished_at = now + self._overhead_s(client)
         client.num_cached_tokens = max(seq.num_cached, 0)
         self._complete(client, Outcome.OK, now)
         self._pump_queue(now)

@@ -30,6 +30,7 @@ class WorkerSummary:
     computed_tokens: int
     wasted_tokens: int  # computed for attempts that were then cancelled
     hit_rate: float
+    queried_tokens: int  # prompt tokens looked up in its cache (vLLM's prefix_cache_queries)
     evicted_blocks: int
     audit_ok: bool
     held_blocks_at_end: int

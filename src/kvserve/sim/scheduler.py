@@ -4,7 +4,9 @@ These are kvserve.engine.scheduler's rules, without importing it: one token budg
 running requests first (oldest first), then waiting ones first come, first served; chunked
 prefill; at most `max_num_seqs` running; when a running request cannot get blocks, the most
 recently admitted one is preempted (its blocks freed, its KV recomputed later; its cached
-prefix blocks stay hit-able). An admission that cannot be allocated stops the waiting queue.
+prefix blocks stay hit-able). An admission that cannot be allocated stops the waiting queue. A
+waiting request whose next prompt blocks another running request is computing waits and hits
+them instead of computing them twice (later ones may go first meanwhile).
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class SimScheduler:
         is_plain_decode = not preempted and all(
             n == 1 and s + 1 == seq.num_tokens and s >= seq.num_prompt_tokens
             for seq, s, n in items)
+        skipped: list[SimSeq] = []
         while self.waiting and budget > 0 and not preempted:
             if len(self.running) >= self.limits.max_num_seqs:
                 break
@@ -80,6 +83,9 @@ class SimScheduler:
                 tokens = seq.prompt if seq.num_output == 0 else seq.all_token_ids()
                 kv.add_request(seq.seq_id, tokens, cache_salt=seq.tenant)
             hit = kv.lookup(seq.seq_id)
+            if hit.num_pending_tokens:
+                skipped.append(self.waiting.popleft())
+                continue
             num_new = min(seq.num_tokens - hit.num_tokens, budget)
             if kv.allocate_slots(seq.seq_id, num_new, hit) is None:
                 break  # first come, first served: nobody overtakes the head of the queue
@@ -91,6 +97,7 @@ class SimScheduler:
             items.append((seq, seq.num_computed, num_new))
             budget -= num_new
             is_plain_decode = False
+        self.waiting.extendleft(reversed(skipped))
         return items, is_plain_decode and bool(items)
 
     def remove(self, seq: SimSeq) -> None:

@@ -32,6 +32,7 @@ def summarise(sim: FleetSimulator, wall_s: float) -> SimResult:
             computed_tokens=c.computed_tokens,
             wasted_tokens=c.wasted_tokens,
             hit_rate=stats.hit_rate,
+            queried_tokens=stats.counters.prefix_queries_tokens,
             evicted_blocks=stats.counters.evicted_blocks,
             audit_ok=report.ok,
             held_blocks_at_end=stats.num_held_blocks,
