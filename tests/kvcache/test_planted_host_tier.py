@@ -10,6 +10,7 @@ import pytest
 
 from kvserve.kvcache import KVCacheManager, ViolationKind
 from kvserve.kvcache.host_tier import HostSlot, HostTier, SlotState
+from kvserve.kvcache.publishing import publish
 from tests.kvcache.planted_harness import Engine, Step, caught, run_clean
 
 A = list(range(1, 10))  # 2 full blocks + 1 token
@@ -110,7 +111,7 @@ def test_a_loaded_block_published_before_its_copy_ran_is_named(
         out = original(self, request_id, *args)  # type: ignore[arg-type]
         record = self.ledger.get(request_id)
         for load in self.transfers.loads_of(request_id) if out is not None else ():
-            self._publish(record, load.block_idx)  # BUG: hit-able before the KV is there
+            publish(self.pool, record, load.block_idx)  # BUG: hit-able before the KV is there
         return out
 
     monkeypatch.setattr(KVCacheManager, "allocate_slots", allocate_publishing_loads)

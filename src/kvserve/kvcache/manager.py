@@ -22,6 +22,7 @@ from kvserve.kvcache.hashing import encode_extra_keys
 from kvserve.kvcache.host_audit import audit_host_tier
 from kvserve.kvcache.host_tier import HostSlot, HostTier
 from kvserve.kvcache.ledger import Ledger, LedgerEntry, RequestRecord
+from kvserve.kvcache.publishing import announce, publish, withdraw
 from kvserve.kvcache.stats import KVCacheCounters, KVCacheStats
 from kvserve.kvcache.transfers import KVTransfers, TransferLedger
 from kvserve.kvcache.types import FreeReason, PrefixHit, SlotAllocation
@@ -186,7 +187,9 @@ class KVCacheManager:
             self._host.counters.hit_tokens += len(host_slots) * self.block_size
         if self.enable_prefix_caching:
             # Loaded blocks are announced too: until published, a twin request waits for them.
-            self._mark_pending(record, first=len(hit_blocks) if host_slots else None)
+            first = (len(hit_blocks) if host_slots
+                     else record.num_computed_tokens // self.block_size)
+            announce(self.pending, self.pool, record, first)
         record.last_active = self._clock()
         return SlotAllocation(tuple(b.block_id for b in new_blocks), record.num_cached_tokens)
 
@@ -206,7 +209,7 @@ class KVCacheManager:
         num_full = num_computed_tokens // self.block_size
         record.num_computed_tokens = num_computed_tokens
         if record.pending_hashes:
-            self._unmark_pending(record, record.block_hashes[first_new_full:num_full])
+            withdraw(self.pending, record, record.block_hashes[first_new_full:num_full])
         record.last_active = self._clock()
         if not self.enable_prefix_caching or num_full <= first_new_full:
             return
@@ -220,7 +223,7 @@ class KVCacheManager:
                 if block.block_hash != record.block_hashes[idx]:
                     self.counters.corruption_detections += 1
                 continue
-            self._publish(record, idx)
+            publish(self.pool, record, idx)
 
     def free(self, request_id: str, reason: FreeReason = FreeReason.FINISHED) -> int:
         """Release everything the request holds; the one path for every ending. Idempotent:
@@ -231,7 +234,7 @@ class KVCacheManager:
             return 0
         if self.transfers is not None:
             self.transfers.cancel_request(request_id)  # unpublished loads: never readable
-        self._unmark_pending(record, list(record.pending_hashes))
+        withdraw(self.pending, record, list(record.pending_hashes))
         # Deepest block first, so a surviving prefix is always a contiguous head.
         self.pool.free(reversed(record.block_table))
         num_blocks = len(record.block_table)
@@ -365,8 +368,8 @@ class KVCacheManager:
         for load in self.transfers.complete(transfers):
             record = self.ledger.get(load.request_id)
             assert record is not None, "a freed request's loads are cancelled at free"
-            self._unmark_pending(record, [record.block_hashes[load.block_idx]])
-            self._publish(record, load.block_idx)
+            withdraw(self.pending, record, [record.block_hashes[load.block_idx]])
+            publish(self.pool, record, load.block_idx)
 
     def cancel_transfers(self, transfers: KVTransfers) -> set[str]:
         """The step that was to run `transfers` failed: nothing it copied becomes readable and
@@ -387,48 +390,3 @@ class KVCacheManager:
         if self.transfers is None:
             raise ValueError("a host-tier prefix hit, but this cache has no host tier")
         return self.transfers.host
-
-    def _publish(self, record: RequestRecord, idx: int) -> None:
-        """Make the request's fully written block `idx` hit-able (or switch to its cached twin)."""
-        bs = self.block_size
-        parent = record.block_hashes[idx - 1] if idx else None
-        token_ids = record.token_ids[idx * bs : (idx + 1) * bs]
-        if not self.pool.cache_block(record.block_table[idx], record.block_hashes[idx], parent,
-                                     token_ids, record.block_token_bytes[idx], record.salt):
-            self._adopt_cached_twin(record, idx)
-
-    def _mark_pending(self, record: RequestRecord, first: int | None = None) -> None:
-        """Announce the full blocks this request was given room for and will now compute or
-        load (from block `first`, default the first uncomputed one), unless cached or already
-        announced by someone."""
-        if first is None:
-            first = record.num_computed_tokens // self.block_size
-        last = min(len(record.block_table), len(record.token_ids) // self.block_size)
-        record.extend_hashes(last, self.block_size)
-        owned = set(record.pending_hashes)
-        for idx in range(first, last):
-            block_hash = record.block_hashes[idx]
-            if block_hash in owned or block_hash in self.pool.cached:
-                continue
-            if self.pending.setdefault(block_hash, record.request_id) == record.request_id:
-                record.pending_hashes.append(block_hash)
-
-    def _unmark_pending(self, record: RequestRecord, hashes: list[bytes]) -> None:
-        if not hashes:
-            return
-        gone = set(hashes)
-        for block_hash in gone:
-            if self.pending.get(block_hash) == record.request_id:
-                del self.pending[block_hash]
-        record.pending_hashes = [h for h in record.pending_hashes if h not in gone]
-
-    def _adopt_cached_twin(self, record: RequestRecord, idx: int) -> None:
-        """Block `idx` duplicates content another block already caches (two requests computed
-        the same prefix at once). Switch the table to the cached twin and release the duplicate,
-        so the request's chain stays one chain and deepest-first release keeps prefixes whole."""
-        twin = self.pool.cached[record.block_hashes[idx]]
-        duplicate = record.block_table[idx]
-        self.pool.touch([twin], record.request_id)
-        record.block_table[idx] = twin
-        record.block_epochs[idx] = twin.epoch
-        self.pool.free([duplicate])
