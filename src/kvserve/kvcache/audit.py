@@ -133,8 +133,10 @@ def run_audit(
         fail(ViolationKind.FREE_QUEUE_BROKEN,
              f"free queue links {seen} blocks but counts {pool.free_queue.num_free_blocks}")
 
-    # 2. Refcounts equal the number of block tables listing each block.
-    holders: list[list[str]] = [[] for _ in range(pool.num_blocks)]
+    # 2. Refcounts equal the number of block tables listing each block. One pass over the
+    # blocks checks 1-2 and 4 per block; `holders` lists only held blocks, so an idle pool of
+    # any size costs one loop and no allocation per block (the engine audits every drain).
+    holders: dict[int, list[str]] = {}
     for record in ledger:
         ids = record.block_ids
         if len(set(ids)) != len(ids):
@@ -142,29 +144,42 @@ def run_audit(
             fail(ViolationKind.DUPLICATE_IN_TABLE,
                  f"request {record.request_id!r} lists block {dup} twice", dup, record.request_id)
         for block_id in ids:
-            holders[block_id].append(record.request_id)
-    census = {"free_uncached": 0, "free_cached": 0, "held": 0}
+            holders.setdefault(block_id, []).append(record.request_id)
+    num_free_uncached = num_free_cached = num_held = 0
+    cached = pool.cached
+    nobody: list[str] = []
     for block in pool.blocks:
         bid = block.block_id
-        if block.ref_cnt == 0:
-            census["free_cached" if block.block_hash is not None else "free_uncached"] += 1
+        ref_cnt, block_hash = block.ref_cnt, block.block_hash
+        held_by = holders.get(bid, nobody)
+        if ref_cnt == 0:
+            if block_hash is None:
+                num_free_uncached += 1
+            else:
+                num_free_cached += 1
             if not in_queue[bid]:
                 fail(ViolationKind.LOST_BLOCK, f"block {bid} is free but not in the free queue",
                      bid)
         else:
-            census["held"] += 1
-        if block.ref_cnt != len(holders[bid]):
-            culprit = holders[bid][0] if holders[bid] else block.last_owner
+            num_held += 1
+        if ref_cnt != len(held_by):
+            culprit = held_by[0] if held_by else block.last_owner
             fail(ViolationKind.REFCOUNT_MISMATCH,
-                 f"block {bid} has refcount {block.ref_cnt} but {len(holders[bid])} holders "
-                 f"{holders[bid][:5]} (last taken by request {block.last_owner!r})", bid, culprit)
-        if len(holders[bid]) > 1 and block.block_hash is None:
-            fail(ViolationKind.UNCACHED_SHARE,
-                 f"block {bid} is shared by {holders[bid][:5]} but caches no content: only a "
-                 "prefix hit may share a block", bid, holders[bid][-1])
+                 f"block {bid} has refcount {ref_cnt} but {len(held_by)} holders "
+                 f"{held_by[:5]} (last taken by request {block.last_owner!r})", bid, culprit)
+        if block_hash is None:
+            if len(held_by) > 1:
+                fail(ViolationKind.UNCACHED_SHARE,
+                     f"block {bid} is shared by {held_by[:5]} but caches no content: only a "
+                     "prefix hit may share a block", bid, held_by[-1])
+        elif cached.get(block_hash) is not block:
+            fail(ViolationKind.HASH_MAP_MISMATCH,
+                 f"block {bid} carries hash {block_hash.hex()[:12]} that the map "
+                 "does not give to it", bid)
 
-    # 4. The hash map points only at blocks that carry that hash and its tokens.
-    for key, block in pool.cached.items():
+    # 4. The hash map points only at blocks that carry that hash and its tokens; 8. a surviving
+    # prefix is a contiguous head: no cached block outlives its parent.
+    for key, block in cached.items():
         if block.block_hash != key or block.token_bytes is None:
             fail(ViolationKind.HASH_MAP_MISMATCH,
                  f"hash {key.hex()[:12]} maps to block {block.block_id} whose hash is "
@@ -174,17 +189,10 @@ def run_audit(
                  f"free block {block.block_id} is hit-able under a hash set at epoch "
                  f"{block.cached_epoch}, but it was handed on since (epoch {block.epoch})",
                  block.block_id, block.last_owner)
-    # 8. A surviving prefix is a contiguous head: no cached block outlives its parent.
-    for block in pool.cached.values():
-        if block.parent_hash is not None and block.parent_hash not in pool.cached:
+        if block.parent_hash is not None and block.parent_hash not in cached:
             fail(ViolationKind.ORPHAN_BLOCK,
                  f"block {block.block_id} is cached but its parent {block.parent_hash.hex()[:12]} "
                  "was evicted: it can never be hit again", block.block_id, block.last_owner)
-    for block in pool.blocks:
-        if block.block_hash is not None and pool.cached.get(block.block_hash) is not block:
-            fail(ViolationKind.HASH_MAP_MISMATCH,
-                 f"block {block.block_id} carries hash {block.block_hash.hex()[:12]} that the map "
-                 "does not give to it", block.block_id)
 
     # 4-6. Each held block describes what its holder wrote, under its holder's salt and epoch.
     bs = pool.block_size
@@ -235,17 +243,17 @@ def run_audit(
                      f"request {record.request_id!r} is not live but holds "
                      f"{len(record.block_table)} blocks {record.block_ids[:8]}",
                      record.block_ids[0] if record.block_table else None, record.request_id)
-        if not live and census["held"]:
+        if not live and num_held:
             held = [b.block_id for b in pool.blocks if b.ref_cnt != 0]
             fail(ViolationKind.HELD_WHILE_IDLE,
-                 f"no request is live but {census['held']} blocks are held: {held[:8]}",
+                 f"no request is live but {num_held} blocks are held: {held[:8]}",
                  held[0])
 
     return AuditReport(
         num_blocks=pool.num_blocks,
-        num_free_uncached=census["free_uncached"],
-        num_free_cached=census["free_cached"],
-        num_held=census["held"],
+        num_free_uncached=num_free_uncached,
+        num_free_cached=num_free_cached,
+        num_held=num_held,
         num_live_requests=len(ledger),
         violations=tuple(out),
     )
