@@ -106,7 +106,7 @@ def test_router_specs_are_checked() -> None:
 
 def test_a_small_run_measures_every_router_and_survives_a_worker_kill(tmp_path: Path) -> None:
     """Real workers and a real `kvserve gateway`; SGLang's router pointed at nothing is skipped
-    with a message. Calibration exercises the simulator on the same trace (built-in profile:
+    with a message. Calibration exercises the simulator on the same trace (instant steps:
     the numbers are not the point here, the plumbing is)."""
     out = tmp_path / "gw.json"
     env = dict(os.environ, PEERS=str(tmp_path / "no-peers"))
@@ -115,7 +115,7 @@ def test_a_small_run_measures_every_router_and_survives_a_worker_kill(tmp_path: 
         [sys.executable, "-m", "kvserve.cli", "bench", "gateway", "--cases", "base,failover",
          "--routers", "ideal,kvserve:prefix_hash,sglang:cache_aware", "--tenants", "3",
          "--requests", "18", "--rate", "6", "--prefix-tokens", "512,1024",
-         "--suffix-tokens", "16,32", "--output-tokens", "4", "--calibrate", "h100",
+         "--suffix-tokens", "16,32", "--output-tokens", "4", "--calibrate", "zero",
          "--json", str(out)],
         capture_output=True, text=True, timeout=300, env=env, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -136,11 +136,13 @@ def test_a_small_run_measures_every_router_and_survives_a_worker_kill(tmp_path: 
                                                                  "restart worker 1"]
     base = runs[("base", "kvserve:prefix_hash")]
     assert base["sim"]["completed"] == 18
-    # The simulator routes on the gateway's own keys, so rendezvous puts each tenant on the
-    # same worker in both (a tenant is about a third of the tokens; a rare spill, 1/18).
-    for measured, simulated in zip(base["worker_shares"], base["sim"]["worker_shares"],
-                                   strict=True):
-        assert abs(measured - simulated) < 0.12, (base["worker_shares"],
-                                                  base["sim"]["worker_shares"])
+    # The simulator routes on the gateway's own keys and worker ids, so rendezvous puts each
+    # tenant where the real gateway did. With instant steps it never spills; the real gateway
+    # spills when two requests overlap on one worker, and then placement is load, not keys.
+    if not base["router_stats"].get("branch:spill"):
+        for measured, simulated in zip(base["worker_shares"], base["sim"]["worker_shares"],
+                                       strict=True):
+            assert abs(measured - simulated) < 0.03, (base["worker_shares"],
+                                                      base["sim"]["worker_shares"])
     assert failover["sim"] is None  # a killed worker is not simulated
     assert "simulator vs measured" in proc.stdout
