@@ -67,6 +67,18 @@ def evicted_a(num_host_slots: int = 4) -> KVCacheManager:
     return m
 
 
+def a2_loading_from_host() -> KVCacheManager:
+    """`evicted_a`, B's step confirmed and B gone; a2 (A again) admitted: its two blocks come
+    from the host tier, with loads scheduled and not yet taken."""
+    m = evicted_a()
+    step(m)
+    m.commit("b", len(B))
+    m.free("b")
+    m.add_request("a2", A)
+    assert m.allocate_slots("a2", 1, m.lookup("a2")) is not None
+    return m
+
+
 def test_evicted_cached_blocks_land_in_the_host_tier_only_once_confirmed():
     m = evicted_a()
     transfers = m.take_transfers()
@@ -188,12 +200,7 @@ def test_a_refused_allocation_changes_nothing_in_either_tier():
 
 @pytest.mark.parametrize("taken", [False, True])
 def test_a_request_ended_before_its_loads_confirm_leaves_nothing_readable(taken: bool):
-    m = evicted_a()
-    step(m)
-    m.commit("b", len(B))
-    m.free("b")
-    m.add_request("a2", A)
-    assert m.allocate_slots("a2", 1, m.lookup("a2")) is not None
+    m = a2_loading_from_host()
     transfers = m.take_transfers() if taken else None
     m.free("a2", FreeReason.ABORTED)
     host = m.transfers.host
@@ -213,12 +220,7 @@ def test_a_request_ended_before_its_loads_confirm_leaves_nothing_readable(taken:
 
 
 def test_a_failed_step_cancels_its_copies_and_names_the_requests_to_end():
-    m = evicted_a()
-    step(m)
-    m.commit("b", len(B))
-    m.free("b")
-    m.add_request("a2", A)
-    assert m.allocate_slots("a2", 1, m.lookup("a2")) is not None
+    m = a2_loading_from_host()
     transfers = m.take_transfers()
     assert m.cancel_transfers(transfers) == {"a2"}
     host = m.transfers.host
@@ -231,12 +233,7 @@ def test_a_failed_step_cancels_its_copies_and_names_the_requests_to_end():
 
 
 def test_verify_refuses_a_load_from_a_reassigned_slot():
-    m = evicted_a()
-    step(m)
-    m.commit("b", len(B))
-    m.free("b")
-    m.add_request("a2", A)
-    assert m.allocate_slots("a2", 1, m.lookup("a2")) is not None
+    m = a2_loading_from_host()
     m.transfers.host.slots[1].epoch += 1  # as if the slot was handed on under the load
     with pytest.raises(CacheCorruption, match="host slot 1"):
         m.verify("a2")

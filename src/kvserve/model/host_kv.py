@@ -14,7 +14,7 @@ import torch
 
 from kvserve.kvcache import KVTransfers
 from kvserve.model.config import ModelConfig
-from kvserve.model.paged_attention import KVCache
+from kvserve.model.paged_attention import KVCache, allocate_kv_caches
 
 
 def allocate_host_kv_caches(config: ModelConfig, num_slots: int, block_size: int, *,
@@ -22,12 +22,8 @@ def allocate_host_kv_caches(config: ModelConfig, num_slots: int, block_size: int
     """One zeroed host ``KVCache`` per layer, K and V [num_slots, block_size, kv_heads, hd]."""
     if num_slots < 1:
         raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
-    shape = (num_slots, block_size, config.num_key_value_heads, config.head_dim)
-    return [
-        KVCache(torch.zeros(shape, dtype=dtype, pin_memory=pin_memory),
-                torch.zeros(shape, dtype=dtype, pin_memory=pin_memory))
-        for _ in range(config.num_hidden_layers)
-    ]
+    return allocate_kv_caches(config, num_slots, block_size, dtype=dtype, device="cpu",
+                              pin_memory=pin_memory)
 
 
 def run_kv_transfers(transfers: KVTransfers, device_caches: Sequence[KVCache],

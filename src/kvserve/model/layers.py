@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model.onednn_linear import PackedLinear
+
 
 class FactoryKwargs(TypedDict):
     """Where and in which dtype a module creates its parameters (torch's factory kwargs)."""
@@ -39,6 +41,14 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+def drop_dense(*linears: nn.Linear) -> None:
+    """Free the dense weights (and biases) of layers now served from packed copies."""
+    for linear in linears:
+        linear.weight.data = linear.weight.data.new_empty(0)
+        if linear.bias is not None:
+            linear.bias.data = linear.bias.data.new_empty(0)
+
+
 class GatedMLP(nn.Module):
     """down_proj(silu(gate_proj(x)) * up_proj(x)): the SwiGLU feed-forward block."""
 
@@ -52,6 +62,17 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
 
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.packed_gate_up: PackedLinear | None = None
+        self.packed_down: PackedLinear | None = None
+
+    def pack(self) -> None:
+        """Serve the fused gate/up and down_proj from oneDNN-packed weights (after `fuse`),
+        dropping the dense copies: inference only from here on."""
+        assert self.gate_up is not None, "fuse before packing"
+        self.packed_gate_up = PackedLinear(*self.gate_up)
+        self.packed_down = PackedLinear(self.down_proj.weight, self.down_proj.bias)
+        self.gate_up = None
+        drop_dense(self.gate_proj, self.up_proj, self.down_proj)
 
     def fuse(self) -> None:
         """Compute gate and up in one matmul. The two weights become views of one tensor, so
@@ -67,6 +88,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]."""
+        if self.packed_gate_up is not None and self.packed_down is not None:
+            gate, up = self.packed_gate_up(x).chunk(2, dim=-1)  # [num_tokens, inter] each
+            return self.packed_down(F.silu(gate) * up)
         if self.gate_up is None:
             out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
             return out

@@ -17,7 +17,8 @@ from torch import nn
 
 from kvserve.model.attention_metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import FactoryKwargs, GatedMLP, RMSNorm
+from kvserve.model.layers import FactoryKwargs, GatedMLP, RMSNorm, drop_dense
+from kvserve.model.onednn_linear import PackedLinear
 from kvserve.model.paged_attention import KVCache, paged_attention
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary
 
@@ -46,6 +47,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **kw)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **kw)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.packed_qkv: PackedLinear | None = None
+        self.packed_o: PackedLinear | None = None
+
+    def pack(self) -> None:
+        """Serve the fused q/k/v and o_proj from oneDNN-packed weights (after `fuse`), dropping
+        the dense copies: inference only from here on."""
+        assert self.qkv is not None, "fuse before packing"
+        self.packed_qkv = PackedLinear(*self.qkv)
+        self.packed_o = PackedLinear(self.o_proj.weight, self.o_proj.bias)
+        self.qkv = None
+        drop_dense(self.q_proj, self.k_proj, self.v_proj, self.o_proj)
 
     def fuse(self) -> None:
         """Compute q, k and v in one matmul; the three weights become views of one tensor
@@ -66,8 +78,11 @@ class Attention(nn.Module):
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """hidden [num_tokens, hidden]; cos/sin [num_tokens, hd] -> [num_tokens, hidden]."""
         num_tokens = hidden.shape[0]
-        if self.qkv is not None:
-            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.packed_qkv is not None:
+            q_flat, k_flat, v_flat = self.packed_qkv(hidden).split(
+                [q_size, kv_size, kv_size], dim=-1)  # [T, q_size], [T, kv_size] x 2
+        elif self.qkv is not None:
             q_flat, k_flat, v_flat = F.linear(hidden, *self.qkv).split(
                 [q_size, kv_size, kv_size], dim=-1)  # [T, q_size], [T, kv_size] x 2
         else:
@@ -80,7 +95,9 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = paged_attention(q, k, v, kv_cache, attn_metadata,
                               sliding_window=self.sliding_window)  # [T, H, hd]
-        projected: torch.Tensor = self.o_proj(out.reshape(num_tokens, -1))  # [T, hidden]
+        flat = out.reshape(num_tokens, -1)  # [T, q_size]
+        projected: torch.Tensor = (self.packed_o(flat) if self.packed_o is not None
+                                   else self.o_proj(flat))  # [T, hidden]
         return projected
 
 
@@ -145,6 +162,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config, **kw)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
+        self.packed_lm_head: PackedLinear | None = None
         self.tie_weights()
 
     def fuse_projections(self) -> None:
@@ -153,6 +171,17 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.fuse()
             layer.mlp.fuse()
+
+    def pack_for_onednn(self) -> None:
+        """Run every projection and the lm_head through oneDNN-packed weights (see
+        onednn_linear; CPU only). Call once, after `fuse_projections`; the dense copies are
+        dropped (a tied lm_head keeps the embeddings), so the model serves inference only."""
+        for layer in self.model.layers:
+            layer.self_attn.pack()
+            layer.mlp.pack()
+        self.packed_lm_head = PackedLinear(self.lm_head.weight, None)
+        if not self.config.tie_word_embeddings:
+            drop_dense(self.lm_head)
 
     def tie_weights(self) -> None:
         """Share lm_head's weight with the embeddings when the config ties them (idempotent)."""
@@ -173,5 +202,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """hidden_states [n, hidden_size] -> logits [n, vocab_size], float32."""
-        logits: torch.Tensor = self.lm_head(hidden_states)  # [n, vocab_size]
+        logits: torch.Tensor = (self.packed_lm_head(hidden_states)
+                                if self.packed_lm_head is not None
+                                else self.lm_head(hidden_states))  # [n, vocab_size]
         return logits.float()

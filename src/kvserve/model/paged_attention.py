@@ -61,14 +61,16 @@ def kv_cache_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.
 
 
 def allocate_kv_caches(config: ModelConfig, num_blocks: int, block_size: int, *,
-                       dtype: torch.dtype, device: torch.device | str) -> list[KVCache]:
-    """One zeroed ``KVCache`` per layer, each K and V [num_blocks, block_size, kv_heads, hd]."""
+                       dtype: torch.dtype, device: torch.device | str,
+                       pin_memory: bool = False) -> list[KVCache]:
+    """One zeroed ``KVCache`` per layer, each K and V [num_blocks, block_size, kv_heads, hd]
+    (`pin_memory`: page-locked host memory, for copies to and from a CUDA device)."""
     if num_blocks < 1 or block_size < 1:
         raise ValueError(f"num_blocks ({num_blocks}) and block_size ({block_size}) must be >= 1")
     shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
     return [
-        KVCache(torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device))
+        KVCache(torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory),
+                torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin_memory))
         for _ in range(config.num_hidden_layers)
     ]
 

@@ -17,6 +17,9 @@ class EngineArgs:
     `kv_host_tier_bytes` > 0 adds a host-memory tier of that many bytes under the device pool
     (evicted prefix blocks are kept there and copied back on a hit); 0 turns it off.
     `max_model_len` None means the model's `max_position_embeddings`.
+    `onednn_linear`: on CPU, run the linear layers through oneDNN with prepacked weights (the
+    same fp32 math, in another summation order; 1.8-2.2x faster than PyTorch's default BLAS on
+    the AMD CPUs measured); False keeps PyTorch's `F.linear`.
     """
 
     model: str | None = None
@@ -34,6 +37,7 @@ class EngineArgs:
     audit_interval_steps: int = 0
     num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
     served_model_name: str | None = None
+    onednn_linear: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

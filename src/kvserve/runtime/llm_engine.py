@@ -30,6 +30,7 @@ from kvserve.model import (
     kv_cache_bytes_per_block,
     load_model,
 )
+from kvserve.model.onednn_linear import onednn_available
 from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
 from kvserve.runtime.demo_model import DEMO_MODEL_NAME, ensure_demo_model
@@ -105,6 +106,8 @@ class LLMEngine:
         host_kv_caches = allocate_host_kv_caches(
             config, num_host_slots, args.block_size, dtype=loaded.dtype,
             pin_memory=torch.device(loaded.device).type == "cuda") if num_host_slots else []
+        if args.onednn_linear and onednn_available(loaded.device, loaded.dtype):
+            loaded.model.pack_for_onednn()
         runner = ModelRunner(loaded.model, kv_caches, args.block_size,
                              Sampler(args.seed, loaded.device), host_kv_caches)
         scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,

@@ -1,0 +1,59 @@
+"""Linear layers through oneDNN: the same logits as PyTorch's dense path, and no dense copies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.model import AttentionMetadata, allocate_kv_caches, load_model
+from kvserve.model.onednn_linear import PackedLinear, onednn_available
+
+pytestmark = pytest.mark.skipif(not onednn_available(torch.device("cpu"), torch.float32),
+                                reason="this PyTorch build has no oneDNN")
+
+
+def test_a_packed_linear_computes_what_f_linear_does() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
+    x = torch.randn(7, 40, generator=gen)
+    expected = torch.nn.functional.linear(x, weight, bias)  # [7, 96]
+    for b in (bias, None):
+        packed = PackedLinear(weight, b)
+        want = expected if b is not None else torch.nn.functional.linear(x, weight)
+        got = packed(x)
+        assert got.shape == (7, 96) and not got.is_mkldnn
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # A non-contiguous input (a column slice) is handled, not misread.
+    wide = torch.randn(7, 80, generator=gen)
+    torch.testing.assert_close(PackedLinear(weight, bias)(wide[:, ::2]),
+                               torch.nn.functional.linear(wide[:, ::2], weight, bias),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2_bias_tied", "qwen3_qk_norm"])
+def test_a_packed_model_gives_the_dense_models_logits(arch: str,
+                                                      arch_checkpoints: dict[str, Path]) -> None:
+    path = arch_checkpoints[arch]
+    dense, packed = load_model(path), load_model(path)
+    packed.model.pack_for_onednn()
+    config = dense.config
+    num_tokens = 37
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(4, config.vocab_size, (num_tokens,), generator=gen)
+    meta = AttentionMetadata.from_lists([num_tokens], [num_tokens], [[0, 1, 2]], 16)
+    logits = []
+    for loaded in (dense, packed):
+        kv = allocate_kv_caches(config, 3, 16, dtype=torch.float32, device="cpu")
+        hidden = loaded.model(ids, torch.arange(num_tokens), kv, meta)  # [T, hidden]
+        logits.append(loaded.model.compute_logits(hidden))  # [T, vocab]
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+    assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
+    # The dense projection weights are gone (served from the packed copies) ...
+    layer = packed.model.model.layers[0]
+    assert layer.self_attn.q_proj.weight.numel() == layer.mlp.down_proj.weight.numel() == 0
+    # ... except the embeddings, which a tied lm_head shares.
+    embed = packed.model.model.embed_tokens.weight
+    assert embed.shape == (config.vocab_size, config.hidden_size)
+    assert (packed.model.lm_head.weight.numel() == embed.numel()) == config.tie_word_embeddings
