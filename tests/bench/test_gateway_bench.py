@@ -104,6 +104,21 @@ def test_router_specs_are_checked() -> None:
             RouterSpec.parse(bad)
 
 
+def test_worker_args_reach_the_workers_command_and_refuse_calibration(tmp_path: Path) -> None:
+    from kvserve.bench.server_launch import KVSERVE, LaunchSpec, server_command
+
+    spec = LaunchSpec(model_dir=tmp_path, served_model_name="m", kv_cache_bytes=1 << 20,
+                      max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64,
+                      num_threads=1, extra_args=("--kv-host-tier-bytes=4096",))
+    cmd, _ = server_command(KVSERVE, spec, 9999)
+    assert cmd[-1] == "--kv-host-tier-bytes=4096" and "serve" in cmd
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "bench", "gateway", "--calibrate", "zero",
+         "--worker-arg=--kv-host-tier-bytes=4096"],
+        capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2 and "drop --worker-arg" in proc.stderr
+
+
 def test_a_small_run_measures_every_router_and_survives_a_worker_kill(tmp_path: Path) -> None:
     """Real workers and a real `kvserve gateway`; SGLang's router pointed at nothing is skipped
     with a message. Calibration exercises the simulator on the same trace (instant steps:

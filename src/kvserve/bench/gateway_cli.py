@@ -126,6 +126,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     f = p.add_argument_group("workers")
     f.add_argument("--working-set", type=float, default=1.5,
                    help="shared prefixes / one worker's KV cache (sizes the cache)")
+    f.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for every worker, e.g. --worker-arg=--kv-host-tier-bytes"
+                        "=134217728 (repeatable)")
     f.add_argument("--max-num-seqs", type=int, default=16)
     f.add_argument("--max-num-batched-tokens", type=int, default=2048)
     f.add_argument("--startup-timeout", type=float, default=300.0)
@@ -259,6 +262,9 @@ def run(args: argparse.Namespace) -> int:
             n.strip() for n in args.cases.split(",") if n.strip()]
         cases = [case_of(n) for n in names]
         routers = [RouterSpec.parse(r) for r in args.routers.split(",") if r.strip()]
+        if args.calibrate and args.worker_arg:
+            raise ValueError("--calibrate simulates workers as `kvserve serve` runs them by "
+                             "default; drop --worker-arg to calibrate")
         if min(args.workers, args.requests, args.repeats) < 1 or args.rate <= 0:
             raise ValueError("--workers, --requests and --repeats must be >= 1 and --rate "
                              "positive")
@@ -285,7 +291,8 @@ def run(args: argparse.Namespace) -> int:
                         max_model_len=max(max_len, 4096) if args.worker_server == VLLM
                         else max_len,
                         max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=1)
+                        max_num_batched_tokens=args.max_num_batched_tokens, num_threads=1,
+                        extra_args=tuple(args.worker_arg))
     err.print(f"working set {working_set} tokens; KV cache {capacity} tokens per worker "
               f"({args.working_set:g}x); {args.workers} {args.worker_server} workers",
               highlight=False)

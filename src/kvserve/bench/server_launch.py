@@ -48,6 +48,7 @@ class LaunchSpec:
     vllm_eager: bool = False
     cpus: str | None = None  # vLLM's OpenMP binding, e.g. "1" or "0-1" (default: 0..threads-1)
     block_size: int | None = None  # KV block size in tokens (default: the server's)
+    extra_args: tuple[str, ...] = ()  # appended to the server's command line as given
 
 
 def free_port() -> int:
@@ -70,7 +71,8 @@ def server_command(name: str, spec: LaunchSpec, port: int) -> tuple[list[str], d
         common += ["--block-size", str(spec.block_size)]
     if name == KVSERVE:
         return ([sys.executable, "-m", "kvserve.cli", "serve", *common,
-                 "--num-threads", str(spec.num_threads), "--drain-timeout", "1"], env)
+                 "--num-threads", str(spec.num_threads), "--drain-timeout", "1",
+                 *spec.extra_args], env)
     if name == VLLM:
         python = vllm_python()
         if python is None:
@@ -81,6 +83,7 @@ def server_command(name: str, spec: LaunchSpec, port: int) -> tuple[list[str], d
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
         cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", *common,
                "--enable-prefix-caching", "--seed", "0", "--disable-uvicorn-access-log"]
+        cmd += list(spec.extra_args)
         return (cmd + ["--enforce-eager"] if spec.vllm_eager else cmd), env
     raise LaunchError(f"unknown server {name!r}; choose from {', '.join(SERVERS)}")
 
