@@ -161,3 +161,27 @@ def test_a_small_run_measures_every_router_and_survives_a_worker_kill(tmp_path: 
                                                       base["sim"]["worker_shares"])
     assert failover["sim"] is None  # a killed worker is not simulated
     assert "simulator vs measured" in proc.stdout
+
+
+def test_calibration_pools_the_requests_of_repeated_runs_before_taking_percentiles() -> None:
+    from kvserve.bench.gateway_calibrate import calibration_rows
+    from kvserve.bench.gateway_report import CaseRun
+
+    def run(seed: int, ttfts: list[float]) -> CaseRun:
+        return CaseRun(case="base", router="kvserve:cache_aware", replicas=1, requests=3,
+                       completed=3, lost=0, hit_rate=0.5 + seed / 10, ttft_ms={},
+                       e2e_ms={}, request_throughput=2.0 + seed, retries=0, rejections=0,
+                       worker_shares=[1.0], duration_s=1.0, seed=seed, ttfts_ms=ttfts)
+
+    runs = [run(0, [10.0, 20.0, 30.0]), run(1, [40.0, 50.0, 60.0])]
+    sims = {0: {"ttfts_ms": [1.0, 2.0, 3.0], "request_throughput": 1.0, "hit_rate": 0.4},
+            1: {"ttfts_ms": [4.0, 5.0, 6.0], "request_throughput": 3.0, "hit_rate": 0.6}}
+    rows = calibration_rows(runs, sims)
+    assert [r.seeds for r in rows] == ["0", "1", "pooled 0+1"]
+    pooled = rows[-1]
+    assert pooled.measured_ttfts == [10.0, 20.0, 30.0, 40.0, 50.0, 60.0]
+    assert pooled.sim_ttfts == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert pooled.measured_rps == 2.5 and pooled.sim_rps == 2.0
+    assert pooled.measured_hit == pytest.approx(0.55) and pooled.sim_hit == pytest.approx(0.5)
+    # A (case, router) run once gets no pooled row.
+    assert [r.seeds for r in calibration_rows(runs[:1], {0: sims[0]})] == ["0"]

@@ -6,9 +6,10 @@ workers, KV blocks per worker, block size, scheduler limits, the gateway's polic
 limits, and the clients' timeout and retries. The simulated policy routes on the gateway's own
 keys: each request's text prompt keyed by `route_request_for` with the salt the gateway injects
 for its tenant, so rendezvous hashing places every tenant where the real gateway did. Step times
-come from PROFILE (`kvserve`: the one `kvserve bench profile --threads 1 --server` measured here,
-matching the workers' one thread each). The table puts simulated TTFT p50/p99, throughput and hit
-rate next to the measured ones, as simulated / measured.
+come from PROFILE (`kvserve bench profile --threads 1 --colocated N --server --out P`, matching
+the workers' one thread each; measure it right before the fleet, since absolute times on a shared
+machine drift by more than the 15% the comparison is judged by). The table puts simulated TTFT
+p50/p99, throughput and hit rate next to the measured ones, as simulated / measured.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def _ratio(sim: float, measured: float) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class _Row:
+class CalibrationRow:
     """Measured and simulated figures of one run, or of several runs pooled (their requests'
     TTFTs pooled before the percentiles are taken; throughput and hit rate averaged)."""
 
@@ -137,20 +138,21 @@ def _pct(values: list[float], p: float) -> float:
     return float("nan") if v is None else v
 
 
-def calibration_rows(runs: Sequence[CaseRun], sims: dict[int, dict[str, Any]]) -> list[_Row]:
+def calibration_rows(runs: Sequence[CaseRun],
+                     sims: dict[int, dict[str, Any]]) -> list[CalibrationRow]:
     """One row per simulated run, then, for every (case, router) run more than once, one pooled
     row: a p99 over a few hundred requests moves far less between repeats than one over 160."""
     rows, groups = [], defaultdict(list)
     for idx, sim in sims.items():
         run = runs[idx]
-        rows.append(_Row(run.case, str(run.seed), run.router, run.ttfts_ms, sim["ttfts_ms"],
-                         run.request_throughput, sim["request_throughput"], run.hit_rate,
-                         sim["hit_rate"]))
+        rows.append(CalibrationRow(run.case, str(run.seed), run.router, run.ttfts_ms,
+                                   sim["ttfts_ms"], run.request_throughput,
+                                   sim["request_throughput"], run.hit_rate, sim["hit_rate"]))
         groups[(run.case, run.router)].append(rows[-1])
     for (case, router), group in groups.items():
         if len(group) < 2:
             continue
-        rows.append(_Row(
+        rows.append(CalibrationRow(
             case, "pooled " + "+".join(r.seeds for r in group), router,
             sorted(t for r in group for t in r.measured_ttfts),
             sorted(t for r in group for t in r.sim_ttfts),
