@@ -7,6 +7,7 @@ import random
 
 import httpx
 
+from tests.server.conftest import StartServer
 from tests.server.harness import ServerProcess, wait_until
 
 NUM_REQUESTS = 200
@@ -43,10 +44,11 @@ def assert_idle_and_audited(server: ServerProcess) -> None:
     assert report["audit"]["census"]["held"] == 0, report["audit"]
 
 
-async def _one(http: httpx.AsyncClient, i: int, drop_after: int | None) -> str:
+async def _one(http: httpx.AsyncClient, i: int, drop_after: int | None,
+               prompt: str | list[int] | None = None) -> str:
     """Stream one request; with `drop_after`, close the response after that many chunks."""
-    body = {"prompt": f"Request {i} says", "max_tokens": MAX_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}
+    body = {"prompt": f"Request {i} says" if prompt is None else prompt,
+            "max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True, "stream": True}
     chunks = 0
     async with http.stream("POST", "/v1/completions", json=body) as response:
         assert response.status_code == 200, await response.aread()
@@ -104,3 +106,39 @@ def test_non_streaming_disconnect_aborts_the_request(server: ServerProcess) -> N
     assert_idle_and_audited(server)
     finished = server.metrics().value("kvserve:kv_request_frees_total", reason="finished")
     assert finished - finished_before < 64, "the dropped request ran to the end"
+
+
+HOST_TIER_TENANTS = 6
+HOST_TIER_REQUESTS = 120
+
+
+async def _host_tier_storm(url: str) -> list[str]:
+    """Tenants' 40-token prefixes (10 blocks of 4), each request with its own 2-token suffix;
+    every other client drops after 1-3 chunks."""
+    prefixes = [[10 + (7 * t + 13 * j) % 280 for j in range(40)] for t in range(HOST_TIER_TENANTS)]
+    rng = random.Random(2)
+    plan = [rng.randint(1, 3) if i % 2 else None for i in range(HOST_TIER_REQUESTS)]
+    limits = httpx.Limits(max_connections=HOST_TIER_REQUESTS, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as http:
+        return await asyncio.gather(*(
+            _one(http, i, drop, prefixes[i % HOST_TIER_TENANTS] + [5, 6 + i % 200])
+            for i, drop in enumerate(plan)))
+
+
+def test_a_disconnect_storm_over_a_host_tier_returns_every_block_and_slot(
+        start_server: StartServer) -> None:
+    """A device pool far smaller than the tenants' prefixes: blocks go to the host tier and
+    come back all the time while half the clients drop mid-stream, often with copies between
+    the tiers scheduled. Afterwards nothing is held, stored half-way or pinned, and the audit
+    (both tiers) is clean."""
+    server = start_server(["--block-size", "4", "--num-kv-blocks", "96",
+                           "--kv-host-tier-bytes", str(1 << 18), "--max-num-seqs", "16"])
+    outcomes = asyncio.run(_host_tier_storm(server.url))
+    assert outcomes.count("dropped") == HOST_TIER_REQUESTS // 2
+    assert_idle_and_audited(server)
+    m = server.metrics()
+    assert m.value("kvserve:kv_host_stores_total") > 0
+    assert m.value("kvserve:kv_host_loads_total") > 0
+    assert m.value("kvserve:kv_host_storing_slots") == m.value("kvserve:kv_host_pinned_slots") == 0
+    host = server.debug_kv()["host_tier"]["census"]
+    assert host["num_storing"] == host["num_pinned"] == 0
