@@ -8,13 +8,12 @@ import asyncio
 import contextlib
 import socket
 
-import httpx
-
 from kvserve.gateway.admission import Admission
 from kvserve.gateway.forward import Forwarder
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import Branch, CacheAwarePolicy
 from kvserve.gateway.retry_budget import RetryBudget
+from kvserve.gateway.upstream_http import UpstreamClient
 from kvserve.gateway.worker_pool import WorkerPool
 from tests.gateway.helpers import request
 
@@ -31,7 +30,8 @@ def test_a_second_request_follows_the_first_before_the_worker_answers() -> None:
         policy = CacheAwarePolicy()
         budget = RetryBudget()
         metrics = GatewayMetrics(pool, Admission(8, 8, 1.0), budget)
-        async with httpx.AsyncClient() as client:
+        client = UpstreamClient()
+        try:
             forwarder = Forwarder(pool, policy, client, budget, metrics, "cache_aware", 30.0)
             route = request("the tenant's long shared system prompt " * 8, "acme")
             first = asyncio.create_task(forwarder.open("/v1/completions", {"prompt": "x"}, {},
@@ -44,6 +44,8 @@ def test_a_second_request_follows_the_first_before_the_worker_answers() -> None:
             first.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await first
+        finally:
+            await client.aclose()
 
     try:
         asyncio.run(scenario())

@@ -26,6 +26,7 @@ from kvserve.gateway.route_key import route_request_for
 from kvserve.gateway.scraper import Scraper
 from kvserve.gateway.tenancy import Tenancy
 from kvserve.gateway.token_keys import ExactKeys
+from kvserve.gateway.upstream_http import UpstreamClient, UpstreamError
 from kvserve.gateway.worker_pool import WorkerPool
 
 FORWARDED_HEADERS = ("x-request-id", "authorization")
@@ -84,7 +85,8 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
     metrics = GatewayMetrics(pool, admission, budget)
     client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
                                                    max_keepalive_connections=256))
-    forwarder = Forwarder(pool, policy, client, budget, metrics, settings.policy,
+    upstream_client = UpstreamClient()
+    forwarder = Forwarder(pool, policy, upstream_client, budget, metrics, settings.policy,
                           settings.request_timeout_s)
     scraper = Scraper(pool, client, settings.scrape_interval_s)
     keys = ExactKeys(settings.tokenizer, settings.block_size, settings.policy == "precise")
@@ -105,6 +107,7 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
             await follower.stop()
         await scraper.stop()
         await client.aclose()
+        await upstream_client.aclose()
 
     app = FastAPI(title="kvserve gateway", lifespan=lifespan)
 
@@ -165,7 +168,7 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
         if not content_type.startswith("text/event-stream"):
             try:
                 content = await upstream.read()
-            except httpx.HTTPError as exc:
+            except UpstreamError as exc:
                 return _error(502, f"worker {upstream.worker_url} failed mid-response: "
                               f"{type(exc).__name__}", "upstream_error")
             finally:
@@ -227,7 +230,7 @@ async def _relay(upstream: Upstream, admission: Admission) -> AsyncIterator[byte
     try:
         async for chunk in upstream.iter_raw():
             yield chunk
-    except httpx.HTTPError as exc:
+    except UpstreamError as exc:
         error = {"error": {"message": f"worker {upstream.worker_url} failed mid-stream "
                            f"({type(exc).__name__}); retry the request", "type": "upstream_error",
                            "param": None, "code": 502}}

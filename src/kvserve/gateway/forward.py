@@ -7,16 +7,16 @@ worker), never a failure; a connection error counts toward ejecting the worker.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import RouteDecision, RouteRequest, RoutingPolicy
 from kvserve.gateway.retry_budget import RetryBudget
+from kvserve.gateway.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
 from kvserve.gateway.worker_pool import WorkerPool
 
 BACKPRESSURE = (429, 503)
@@ -38,7 +38,7 @@ class Upstream:
     """An open upstream response; `close` must be called exactly once (it is idempotent)."""
 
     worker_url: str
-    response: httpx.Response
+    response: UpstreamResponse
     decision: RouteDecision
     pool: WorkerPool
     closed: bool = False
@@ -68,7 +68,7 @@ class Upstream:
 class Forwarder:
     """Routes with `policy` over `pool` and opens upstream responses with `client`."""
 
-    def __init__(self, pool: WorkerPool, policy: RoutingPolicy, client: httpx.AsyncClient,
+    def __init__(self, pool: WorkerPool, policy: RoutingPolicy, client: UpstreamClient,
                  budget: RetryBudget, metrics: GatewayMetrics, policy_name: str,
                  request_timeout_s: float | None) -> None:
         self.pool = pool
@@ -77,7 +77,7 @@ class Forwarder:
         self.budget = budget
         self.metrics = metrics
         self.policy_name = policy_name
-        self.timeout = httpx.Timeout(request_timeout_s, connect=5.0)
+        self.read_timeout_s = request_timeout_s  # per read, as httpx's read timeout
 
     async def open(self, path: str, body: dict[str, Any], headers: dict[str, str],
                    route: RouteRequest, started: float) -> Upstream:
@@ -87,6 +87,7 @@ class Forwarder:
         decision = self.policy.route(route, self.pool.views(now))
         candidates = [decision.worker_id] + [u for u in decision.ranked
                                              if u != decision.worker_id]
+        payload = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         last: NoWorkerAvailable | None = None
         for attempt, url in enumerate(candidates):
             if attempt > 0:
@@ -106,23 +107,22 @@ class Forwarder:
             if attempt == 0:
                 self.metrics.added_latency.observe(time.monotonic() - started)
             try:
-                request = self.client.build_request("POST", f"{url}{path}", json=body,
-                                                    headers=headers, timeout=self.timeout)
-                response = await self.client.send(request, stream=True)
-            except httpx.HTTPError as exc:
+                response = await self.client.post(f"{url}{path}", payload, headers,
+                                                  self.read_timeout_s)
+            except UpstreamError as exc:
                 worker.in_flight -= 1
                 self.pool.record_failure(url, f"{type(exc).__name__}: {exc}", time.monotonic())
                 self.metrics.upstream_errors.labels(url, type(exc).__name__).inc()
                 last = NoWorkerAvailable(f"worker {url} unreachable: {type(exc).__name__}")
                 continue
-            except BaseException:  # cancelled, or a body httpx cannot encode: no request is open
+            except BaseException:  # cancelled, or a header that cannot be sent: nothing is open
                 worker.in_flight -= 1
                 raise
             if response.status_code in BACKPRESSURE:
                 content: bytes | None = None  # unreadable: the gateway answers for it
                 try:
                     content = await response.aread()
-                except httpx.HTTPError:
+                except UpstreamError:
                     pass
                 finally:
                     await response.aclose()
