@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -75,3 +76,25 @@ def test_replicas_follow_the_events_to_the_same_worker(precise_pair: tuple[Proce
     assert send(a, model_name, "acme") == (first_worker, "precise_hit")
     # The same text for another tenant hashes under another salt: no hit anywhere.
     assert send(b, model_name, "globex")[1] == "least_load"
+
+
+def test_a_long_poll_answers_when_the_worker_logs_events_not_at_its_timeout(
+        fleet: list[Process], model_name: str) -> None:
+    worker = fleet[1]
+    cursor = worker.get("/kv/events", params={"after": 0, "limit": 65536}).json()["next_seq"]
+    started = time.monotonic()
+    empty = worker.get("/kv/events", params={"after": cursor, "wait": 0.5}).json()
+    assert empty["events"] == [] and time.monotonic() - started >= 0.45  # it waited
+    body = {"model": model_name, "prompt": "A fresh prompt for the long poll. " * 4, **RUN}
+    with httpx.Client(timeout=60) as client, ThreadPoolExecutor(1) as pool:
+        poll = pool.submit(client.get, f"{worker.url}/kv/events",
+                           params={"after": cursor, "wait": 25.0})
+        time.sleep(0.3)
+        assert not poll.done()  # waiting at the worker: nothing new yet
+        sent = time.monotonic()
+        client.post(f"{worker.url}/v1/completions", json=body).raise_for_status()
+        page = poll.result(timeout=20).json()
+    assert [e for e in page["events"] if e["type"] == "stored"]
+    assert time.monotonic() - sent < 15.0  # answered by the events, not by the 25 s timeout
+    bad = worker.get("/kv/events", params={"after": 0, "wait": 31})
+    assert bad.status_code == 400 and "'wait'" in bad.json()["error"]["message"]

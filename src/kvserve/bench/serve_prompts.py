@@ -10,8 +10,10 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvserve.model import Tokenizer
+if TYPE_CHECKING:  # the package imports torch; a prompt builder only needs the tokenizer's API
+    from kvserve.model import Tokenizer
 
 MIN_WORDS = 8  # fewer whole-word tokens than this: the vocabulary is not word-level enough
 MAX_FIXUPS = 64  # re-encodings spent nudging one prompt to its exact length

@@ -49,7 +49,7 @@ class GatewaySettings:
     tenancy: Tenancy = field(default_factory=Tenancy)
     tokenizer: str | None = None  # the workers' tokenizer, for exact keys (`precise`)
     block_size: int = 16  # the workers' KV block size, for exact keys
-    events_interval_s: float = 0.25  # how often `precise` polls the workers' KV events
+    events_interval_s: float = 0.25  # `precise`: pause after a failed read of KV events
     admin_key: str | None = None  # sent to the workers' /kv/events
 
 

@@ -1,25 +1,27 @@
 """Follows each kvserve worker's KV events (`GET /kv/events`) into the `precise` policy.
 
-One background task per gateway polls every worker every `interval_s` for the events after its
-cursor and applies them in order (runs of one kind at a time, since `apply_events` applies
-cleared, removed, stored in that order). A gap (the worker dropped events this gateway had not
-read, or restarted) clears the worker's index: what the worker caches is then learned again from
-new events. A worker that does not serve the route (vLLM, SGLang) is polled no further; routing
-to it falls back to the pending prefixes the policy records itself.
+One background task per worker long-polls it (`?wait=`: the worker answers as soon as it has
+events after the cursor, or after `wait_s` with none) and applies them in order (runs of one
+kind at a time, since `apply_events` applies cleared, removed, stored in that order). A gap (the
+worker dropped events this gateway had not read, or restarted) clears the worker's index: what
+the worker caches is then learned again from new events. A worker that does not serve the route
+(vLLM, SGLang) is polled no further; routing to it falls back to the pending prefixes the policy
+records itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterable
 from typing import Any, Protocol
 
 import httpx
 
-from kvserve.gateway.periodic import Periodic
 from kvserve.gateway.worker_pool import WorkerPool
 
 EVENTS_PATH = "/kv/events"
+DEFAULT_WAIT_S = 5.0  # how long a worker may hold a poll open with nothing new
 
 
 class EventSink(Protocol):
@@ -59,39 +61,65 @@ def apply_page(sink: EventSink, worker_id: str, events: list[dict[str, Any]],
     return len(events)
 
 
-class EventFollower(Periodic):
-    """Polls `/kv/events` of every worker in `pool` and feeds `sink` (see the module doc)."""
+class EventFollower:
+    """Follows `/kv/events` of every worker in `pool` into `sink` (see the module doc): one
+    long-polling task per worker, so an event reaches the index as soon as the worker logs it."""
 
     def __init__(self, pool: WorkerPool, sink: EventSink, client: httpx.AsyncClient,
-                 interval_s: float = 0.25, admin_key: str | None = None) -> None:
+                 interval_s: float = 0.25, admin_key: str | None = None,
+                 wait_s: float = DEFAULT_WAIT_S) -> None:
         self.pool, self.sink, self.client = pool, sink, client
-        self.interval_s = interval_s
+        self.interval_s = interval_s  # the pause after an error or an early empty answer
+        self.wait_s = wait_s
         self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.cursors: dict[str, int] = {}
         self.unsupported: set[str] = set()
         self.applied = 0
+        self._tasks: list[asyncio.Task[None]] = []
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(url) for url in self.pool.workers
+        """One immediate read of every worker (start-up, tests)."""
+        await asyncio.gather(*(self._poll(url, 0.0) for url in self.pool.workers
                                if url not in self.unsupported))
 
-    tick = poll_once
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._follow(url)) for url in self.pool.workers]
 
-    async def _poll(self, url: str) -> None:
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _follow(self, url: str) -> None:
+        while url not in self.unsupported:
+            started = time.monotonic()
+            applied = await self._poll(url, self.wait_s)
+            # A worker down, or one that answers at once without waiting (an older kvserve):
+            # pause, so a dead or non-waiting worker is not polled in a tight loop.
+            if applied is None or (applied == 0
+                                   and time.monotonic() - started < self.interval_s):
+                await asyncio.sleep(self.interval_s)
+
+    async def _poll(self, url: str, wait_s: float) -> int | None:
+        """Apply the worker's next page of events; how many, or None if it could not be read."""
         after = self.cursors.get(url, 0)
         try:
-            resp = await self.client.get(f"{url}{EVENTS_PATH}", params={"after": after},
-                                         headers=self.headers, timeout=2.0)
+            resp = await self.client.get(f"{url}{EVENTS_PATH}",
+                                         params={"after": after, "wait": wait_s},
+                                         headers=self.headers, timeout=wait_s + 2.0)
         except httpx.HTTPError:
-            return  # down: the scraper ejects it; its cursor stays for when it is back
+            return None  # down: the scraper ejects it; its cursor stays for when it is back
         if resp.status_code == 404:
             self.unsupported.add(url)
-            return
+            return None
         if resp.status_code != 200:
-            return
+            return None
         try:
             page = resp.json()
-            self.applied += apply_page(self.sink, url, page["events"], bool(page.get("gap")))
+            applied = apply_page(self.sink, url, page["events"], bool(page.get("gap")))
             self.cursors[url] = int(page["next_seq"])
         except (ValueError, KeyError, TypeError):
             self.unsupported.add(url)  # not kvserve's event format: stop following it
+            return None
+        self.applied += applied
+        return applied

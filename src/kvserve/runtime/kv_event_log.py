@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +60,12 @@ class KVEventLog:
         self._events: deque[dict[str, Any]] = deque(maxlen=capacity)
         self._last_seq = 0
         self._lock = threading.Lock()
+        self._listener: Callable[[], None] | None = None
+
+    def set_listener(self, listener: Callable[[], None] | None) -> None:
+        """Call `listener()` (from the appending thread, after the append) whenever events
+        arrive: how a server wakes readers that wait for new events."""
+        self._listener = listener
 
     @property
     def last_seq(self) -> int:
@@ -74,6 +80,8 @@ class KVEventLog:
                 self._last_seq += 1
                 item["seq"] = self._last_seq
                 self._events.append(item)
+        if self._listener is not None:
+            self._listener()
 
     def since(self, after: int, limit: int = 4096) -> EventPage:
         """At most `limit` events numbered above `after`, oldest first."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -13,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvserve.runtime import AsyncEngine
 from kvserve.server.debug import kv_report
 from kvserve.server.errors import APIError, install_error_handlers
+from kvserve.server.event_waiters import EventWaiters, wait_for_event
 from kvserve.server.formatting import ChatFormatter, CompletionFormatter
 from kvserve.server.limits import BodySizeLimit, EchoRequestId
 from kvserve.server.metrics import ServerMetrics
@@ -31,6 +33,9 @@ def _check_key(request: Request, expected: str | None) -> None:
                        err_type="authentication_error")
 
 
+MAX_EVENTS_WAIT_S = 30.0
+
+
 def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
     """An app serving `engine` (started by the app's lifespan, drained on shutdown)."""
     settings = settings or ServerSettings()
@@ -39,11 +44,16 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     metrics = ServerMetrics(engine, model_name)
     serving = Serving(engine, model_name, metrics, settings)
 
+    waiters: list[EventWaiters] = []  # set by the lifespan, on the serving loop
+
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        waiters.append(EventWaiters(asyncio.get_running_loop()))
+        engine.engine.kv_events.set_listener(waiters[0].notify_threadsafe)
         if not engine.is_running and engine.error is None:
             engine.start()
         yield
+        engine.engine.kv_events.set_listener(None)
         engine.shutdown(drain_timeout_s=settings.drain_timeout_s)
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
@@ -75,12 +85,20 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
             "max_model_len": engine.engine.max_model_len}]}
 
     @app.get("/kv/events", dependencies=[Depends(require_admin_key)])
-    async def kv_events(after: int = 0, limit: int = 4096) -> dict[str, object]:
+    async def kv_events(after: int = 0, limit: int = 4096, wait: float = 0.0) -> dict[str, object]:
         """The KV cache's events numbered above `after` (kvserve.runtime.kv_event_log), for
-        routers that keep an exact index of this worker's cache (the gateway's `precise`)."""
-        if after < 0 or not 1 <= limit <= 65_536:
-            raise APIError(400, "'after' must be >= 0 and 'limit' in [1, 65536]")
-        return engine.engine.kv_events.since(after, limit).as_dict()
+        routers that keep an exact index of this worker's cache (the gateway's `precise`).
+        With `wait` > 0 and nothing new, the answer waits up to `wait` seconds for an event
+        (long polling: a router learns of a placement within a step, not a poll interval)."""
+        if after < 0 or not 1 <= limit <= 65_536 or not 0.0 <= wait <= MAX_EVENTS_WAIT_S:
+            raise APIError(400, "'after' must be >= 0, 'limit' in [1, 65536] and 'wait' in "
+                           f"[0, {MAX_EVENTS_WAIT_S:g}] seconds")
+        log = engine.engine.kv_events
+        if wait > 0 and waiters:
+            appended = waiters[0].current()  # taken before the check: see event_waiters
+            if log.last_seq <= after:
+                await wait_for_event(appended, wait)
+        return log.since(after, limit).as_dict()
 
     @app.get("/debug/kv", dependencies=[Depends(require_admin_key)])
     async def debug_kv() -> dict[str, object]:

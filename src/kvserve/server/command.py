@@ -6,13 +6,14 @@ import argparse
 import gc
 import logging
 import os
+from typing import TYPE_CHECKING
 
-import uvicorn
 from rich.console import Console
 
-from kvserve.runtime import AsyncEngine, EngineArgs, LLMEngine
-from kvserve.server.app import create_app
 from kvserve.server.settings import ServerSettings
+
+if TYPE_CHECKING:  # torch and the engine load only for `serve` itself, not for every command
+    from kvserve.runtime import EngineArgs
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +44,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    from kvserve.runtime import EngineArgs
+
     return EngineArgs(
         model=args.model, served_model_name=args.served_model_name, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
@@ -73,6 +76,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.runtime import AsyncEngine, LLMEngine
+    from kvserve.server.app import create_app
+
     console = Console(stderr=True)
     try:
         engine_args = engine_args_from(args)
