@@ -41,6 +41,25 @@ def test_the_gateway_keys_a_prompt_exactly_as_the_worker_hashes_it(
     assert worker.get("/v1/models").json()["data"][0]["root"] == str(tiny_model)
 
 
+def test_the_gateway_keys_a_conversation_exactly_as_the_worker_caches_it(
+        fleet: list[Process], tiny_model: Path, model_name: str) -> None:
+    """Chat template, tools and content parts rendered in the gateway as in the worker."""
+    worker = fleet[0]
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    messages = [{"role": "system", "content": "You audit contracts clause by clause. " * 3},
+                {"role": "user", "content": [{"type": "text", "text": "Check clause 4 "},
+                                             {"type": "text", "text": "and clause 7."}],
+                 "name": None}]
+    body = {"model": model_name, "messages": messages, "tools": tools,
+            "cache_salt": "chat-salt", **RUN}
+    httpx.post(f"{worker.url}/v1/chat/completions", json=body, timeout=60).raise_for_status()
+    keyed = route_request_for("/v1/chat/completions", body, "chat-salt", TokenKeyer(tiny_model))
+    assert len(keyed.prefix_hashes) >= 4
+    assert {h.hex() for h in keyed.prefix_hashes} <= stored_hashes(worker)
+    text_keyed = route_request_for("/v1/chat/completions", body, "chat-salt")
+    assert not {h.hex() for h in text_keyed.prefix_hashes} & stored_hashes(worker)
+
+
 @pytest.fixture(scope="module")
 def precise_pair(fleet: list[Process], proc_logs: Path) -> Iterator[tuple[Process, Process]]:
     """Two `precise` gateway replicas over the same workers, sharing nothing but the workers."""

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvserve.chat_template import template_message
 from kvserve.engine import SamplingParams
 
 MAX_N = 128  # OpenAI's limit; each sample is an engine request
@@ -151,12 +152,9 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
     def as_template_message(self) -> dict[str, Any]:
-        """The message as chat templates expect it: content flattened to a string."""
-        data = self.model_dump(exclude_none=True)
-        if isinstance(self.content, list):
-            data["content"] = "".join(part.text for part in self.content)
-        data.setdefault("content", "")
-        return data
+        """The message as chat templates expect it: content flattened to a string (the rule the
+        gateway applies too, so it keys a conversation as this worker caches it)."""
+        return template_message(self.model_dump(exclude_none=True))
 
 
 class ChatCompletionRequest(_SamplingFields):
