@@ -185,3 +185,26 @@ def test_calibration_pools_the_requests_of_repeated_runs_before_taking_percentil
     assert pooled.measured_hit == pytest.approx(0.55) and pooled.sim_hit == pytest.approx(0.5)
     # A (case, router) run once gets no pooled row.
     assert [r.seeds for r in calibration_rows(runs[:1], {0: sims[0]})] == ["0"]
+
+
+def test_repeated_runs_are_pooled_per_case_and_router(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvserve.bench.gateway_report import CaseRun, print_pooled
+
+    def run(router: str, seed: int, hit: float, ttfts: list[float]) -> CaseRun:
+        return CaseRun(case="base", router=router, replicas=1, requests=3, completed=3, lost=0,
+                       hit_rate=hit, ttft_ms={}, e2e_ms={}, request_throughput=1.0,
+                       retries=seed, rejections=0, worker_shares=[1.0], duration_s=1.0,
+                       seed=seed, ttfts_ms=ttfts)
+
+    print_pooled([run("ideal", 0, 0.9, [1.0, 2.0, 3.0]), run("kvserve:precise", 0, 0.8,
+                                                           [10.0, 20.0, 30.0]),
+                  run("ideal", 1, 0.7, [4.0, 5.0, 6.0]), run("kvserve:precise", 1, 0.7,
+                                                           [40.0, 50.0, 60.0])])
+    rows = {line.split("│")[2].strip(): [c.strip() for c in line.split("│")[3:-1]]
+            for line in capsys.readouterr().out.splitlines() if line.count("│") > 10}
+    seeds, mean, span, gap, p50, p99, done, lost, retries, _ = rows["kvserve:precise"]
+    assert (seeds, mean, span, gap, done, lost, retries) == ("2", "0.750", "0.700-0.800", "5.0",
+                                                             "6/6", "0", "1")
+    assert float(p50) == pytest.approx(35.0) and 55.0 < float(p99) <= 60.0
+    print_pooled([run("ideal", 0, 0.9, [1.0])])  # one seed each: nothing to pool, no table
+    assert capsys.readouterr().out == ""

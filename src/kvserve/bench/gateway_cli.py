@@ -58,7 +58,7 @@ from kvserve.bench.gateway_load import (
     run_open_loop,
 )
 from kvserve.bench.gateway_overhead import OverheadRun, measure_overhead, print_overhead
-from kvserve.bench.gateway_report import CaseRun, print_tables, summarize
+from kvserve.bench.gateway_report import CaseRun, print_pooled, print_tables, summarize
 from kvserve.bench.gateway_workload import (
     BlockTexts,
     GatewayRequest,
@@ -323,7 +323,7 @@ def run(args: argparse.Namespace) -> int:
             for case in cases:
                 if case.name == "overhead":
                     prompts = builder.build(PromptSpec(64, args.overhead_prompt_tokens), "ovh")
-                    for router in routers:
+                    for _, router in itertools.product(range(args.repeats), routers):
                         err.print(f"[bold]overhead[/] · {router.label} …", highlight=False)
                         try:
                             overheads.append(bench.overhead(router, prompts))
@@ -365,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
                        f"{args.tenants} tenants x {args.prefix_tokens[0]}-{args.prefix_tokens[1]}"
                        f"-token prefixes, {args.requests} requests at {args.rate:g}/s, KV "
                        f"{capacity} tokens/worker")
+    print_pooled(runs)
     print_calibration(runs, sims)
     if args.json:
         args.json.write_text(json.dumps({

@@ -81,14 +81,17 @@ def measure_overhead(label: str, entries: Sequence[str], prompts: Sequence[str],
 
 
 def print_overhead(runs: Sequence[OverheadRun]) -> None:
-    direct = next((r for r in runs if r.router == "ideal"), None)
+    """Each path against the direct run before it (with --repeats, that repeat's own)."""
+    direct: OverheadRun | None = None
     table = Table(title="router overhead: 1-token completions (direct = clients rotate over "
                   "the workers)", title_justify="left")
     for col in ("path", "latency p50 ms", "p99 ms", "added p50 ms", "max req/s",
                 "vs direct", "failed"):
         table.add_column(col, justify="left" if col == "path" else "right")
     for r in runs:
-        if direct is not None and r is not direct:
+        if r.router == "ideal":
+            direct = r
+        elif direct is not None:
             r.added_ms = r.latency_ms["p50"] - direct.latency_ms["p50"]
             r.rps_vs_direct = r.max_rps / direct.max_rps if direct.max_rps else float("nan")
         table.add_row("direct" if r is direct else r.router, f"{r.latency_ms['p50']:.2f}",
