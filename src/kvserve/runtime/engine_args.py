@@ -20,6 +20,8 @@ class EngineArgs:
     `onednn_linear`: on CPU, run the linear layers through oneDNN with prepacked weights (the
     same fp32 math, in another summation order; 1.8-2.2x faster than PyTorch's default BLAS on
     the AMD CPUs measured); False keeps PyTorch's `F.linear`.
+    `reuse_host_memory`: on CPU, make the C library keep freed memory for reuse instead of
+    unmapping it (process-wide; see runtime/host_memory.py); False leaves the allocator alone.
     """
 
     model: str | None = None
@@ -38,6 +40,7 @@ class EngineArgs:
     num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
     served_model_name: str | None = None
     onednn_linear: bool = True
+    reuse_host_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
