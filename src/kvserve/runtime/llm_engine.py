@@ -114,7 +114,8 @@ class LLMEngine:
         runner = ModelRunner(loaded.model, kv_caches, args.block_size,
                              Sampler(args.seed, loaded.device), host_kv_caches)
         scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
-                                              max_model_len, args.audit_interval_steps), kv_cache)
+                                              max_model_len, args.audit_interval_steps,
+                                              args.idle_audit_interval_s), kv_cache)
         eos = frozenset(loaded.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         engine = cls(args, tokenizer, core=None, kv_cache=kv_cache,  # type: ignore[arg-type]
