@@ -56,10 +56,12 @@ def make_rig(
     audit_interval_steps: int = 1,
     decoder: bool = False,
     num_host_slots: int = 0,
+    idle_audit_interval_s: float = 0.0,
 ) -> Rig:
     clock = Clock()
     kv = KVCacheManager(num_blocks, block_size, clock=clock, num_host_slots=num_host_slots)
-    config = SchedulerConfig(budget, max_num_seqs, max_model_len, audit_interval_steps)
+    config = SchedulerConfig(budget, max_num_seqs, max_model_len, audit_interval_steps,
+                             idle_audit_interval_s)
     model = PagedToyModel(num_blocks, block_size, num_host_slots)
     audits: list[AuditReport] = []
     core = EngineCore(Scheduler(config, kv), model, CharDecoder() if decoder else None, clock,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.engine import FinishReason, Request, SamplingParams
+from kvserve.engine import FinishReason, Request, SamplingParams, SchedulerConfig
 from tests.engine.conftest import make_rig
 from tests.engine.toy_model import reference_generate
 
@@ -203,3 +203,21 @@ def test_idle_check_reclaims_a_leak_and_reports_it():
     assert failed and "orphan" in failed[-1].describe()
     assert rig.kv.counters.reclaimed_blocks == 2
     assert rig.kv.stats().num_held_blocks == 0
+
+
+def test_drains_run_the_idle_check_and_the_full_audit_at_most_once_per_interval():
+    rig = make_rig(audit_interval_steps=0, idle_audit_interval_s=60.0)
+    full_runs = []
+    for i, now in enumerate((0.0, 30.0, 59.0, 61.0, 100.0)):
+        rig.clock.now = now
+        rig.core.add_request(request(f"r{i}", [3, 1, 4, 1, 5]))
+        rig.drain()
+        full_runs.append(rig.kv.stats().counters.audit_runs)
+    assert full_runs == [1, 1, 1, 2, 2]  # at 0 and 61 s (60 s after the last full one)
+    assert rig.kv.stats().counters.idle_checks == 3
+    assert len(rig.audits) == 5 and all(a.ok for a in rig.audits)  # one report per drain
+
+
+def test_idle_audit_interval_must_not_be_negative():
+    with pytest.raises(ValueError, match="idle_audit_interval_s"):
+        SchedulerConfig(idle_audit_interval_s=-1)

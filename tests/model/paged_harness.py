@@ -34,6 +34,16 @@ class PagedRunner:
         random.Random(seed).shuffle(self.free_blocks)
         self.block_tables: dict[str, list[int]] = {}
         self.seq_lens: dict[str, int] = {}
+        self.num_shared: dict[str, int] = {}  # leading blocks a sequence borrows from another
+
+    def share_prefix(self, source: str, seq_id: str, num_blocks: int) -> None:
+        """Start `seq_id` on `source`'s first `num_blocks` (full) blocks, as a prefix-cache hit
+        does: the blocks are shared, not copied, and their tokens count as computed. `source`
+        must stay alive while `seq_id` runs."""
+        assert self.seq_lens[source] >= num_blocks * self.block_size, "only full blocks"
+        self.block_tables[seq_id] = self.block_tables[source][:num_blocks]
+        self.seq_lens[seq_id] = num_blocks * self.block_size
+        self.num_shared[seq_id] = num_blocks
 
     def step(self, chunks: Sequence[tuple[str, Sequence[int]]]) -> dict[str, torch.Tensor]:
         """Feed each (seq_id, new_token_ids) in order; returns seq_id -> logits [q_len, vocab]."""
@@ -64,5 +74,6 @@ class PagedRunner:
 
     def free(self, seq_id: str) -> None:
         """Return the sequence's blocks; they are the next ones handed out (dirty)."""
-        self.free_blocks.extend(reversed(self.block_tables.pop(seq_id)))
+        own = self.block_tables.pop(seq_id)[self.num_shared.pop(seq_id, 0):]
+        self.free_blocks.extend(reversed(own))
         del self.seq_lens[seq_id]

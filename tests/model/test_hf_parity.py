@@ -82,3 +82,34 @@ def test_greedy_decode_matches_transformers_generate(arch: str,
             out = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=20,
                               eos_token_id=list(loaded.eos_token_ids), pad_token_id=0)
         assert ours[seq] == out[0, len(ids):].tolist(), seq
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen3_qk_norm"])
+def test_chunks_sharing_a_cached_prefix_match_transformers(
+        arch: str, arch_checkpoints: dict[str, Path]) -> None:
+    """Prefill chunks that read one cached head (the prefill cascade), then their decodes (the
+    decode cascade), give HF's logits and greedy tokens for prefix + suffix."""
+    path = arch_checkpoints[arch]
+    loaded = load_model(path)
+    vocab = loaded.config.vocab_size
+    head = prompt(20, vocab, seed=11)  # 5 full blocks of 4
+    suffixes = {"s1": prompt(6, vocab, 12), "s2": prompt(3, vocab, 13), "s3": prompt(6, vocab, 14)}
+    runner = PagedRunner(loaded.model, num_blocks=48, block_size=4)
+    runner.step([("head", head)])
+    for seq in suffixes:
+        runner.share_prefix("head", seq, 5)
+    hf = hf_model(path)
+    logits = runner.step(list(suffixes.items()))
+    ours = {seq: [int(logits[seq][-1].argmax())] for seq in suffixes}
+    for _ in range(5):
+        step = runner.step([(seq, out[-1:]) for seq, out in ours.items()])
+        for seq, out in ours.items():
+            out.append(int(step[seq][-1].argmax()))
+    for seq, suffix in suffixes.items():
+        ids = torch.tensor([head + suffix])
+        with torch.no_grad():
+            ref = hf(ids).logits[0, len(head):]  # [suffix, vocab]
+            gen = hf.generate(ids, do_sample=False, max_new_tokens=6, min_new_tokens=6,
+                              pad_token_id=0)
+        torch.testing.assert_close(logits[seq], ref, atol=1e-4, rtol=1e-4)
+        assert ours[seq] == gen[0, ids.shape[1]:].tolist(), seq

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -19,17 +20,18 @@ def test_a_packed_linear_computes_what_f_linear_does() -> None:
     weight, bias = torch.randn(96, 40, generator=gen), torch.randn(96, generator=gen)
     x = torch.randn(7, 40, generator=gen)
     expected = torch.nn.functional.linear(x, weight, bias)  # [7, 96]
-    for b in (bias, None):
-        packed = PackedLinear(weight, b)
+    for b, in_place in itertools.product((bias, None), (True, False)):
+        packed = PackedLinear(weight, b, in_place_activations=in_place)
         want = expected if b is not None else torch.nn.functional.linear(x, weight)
         got = packed(x)
         assert got.shape == (7, 96) and not got.is_mkldnn
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     # A non-contiguous input (a column slice) is handled, not misread.
     wide = torch.randn(7, 80, generator=gen)
-    torch.testing.assert_close(PackedLinear(weight, bias)(wide[:, ::2]),
-                               torch.nn.functional.linear(wide[:, ::2], weight, bias),
-                               rtol=1e-5, atol=1e-5)
+    for in_place in (True, False):
+        torch.testing.assert_close(
+            PackedLinear(weight, bias, in_place_activations=in_place)(wide[:, ::2]),
+            torch.nn.functional.linear(wide[:, ::2], weight, bias), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen2_bias_tied", "qwen3_qk_norm"])

@@ -42,7 +42,8 @@ def hf_greedy(path: Path, prompt: list[int], max_tokens: int) -> list[int]:
 
 def make_engine(path: Path, **overrides) -> LLMEngine:
     args = dict(model=str(path), block_size=4, num_kv_blocks=128, max_num_batched_tokens=256,
-                max_num_seqs=16, num_threads=1, audit_interval_steps=1)
+                max_num_seqs=16, num_threads=1, audit_interval_steps=1,
+                idle_audit_interval_s=0)
     args.update(overrides)
     return LLMEngine.from_args(EngineArgs(**args))
 

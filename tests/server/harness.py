@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 BASE_FLAGS = (
     "--num-kv-blocks", "512", "--block-size", "16", "--max-model-len", "256",
     "--max-num-seqs", "32", "--num-threads", "1", "--audit-interval-steps", "10",
+    "--idle-audit-interval-s", "0",
 )
 START_TIMEOUT_S = 60.0
 

@@ -12,12 +12,16 @@ class SchedulerConfig:
     `max_num_batched_tokens` is the token budget of one step (prefill chunks and decodes share
     it); `max_num_seqs` caps running requests; `max_model_len` caps prompt + output.
     `audit_interval_steps > 0` runs the full cache audit every that many steps.
+    Whenever the engine drains, the idle check runs (O(live), from the cache's counts); the full
+    audit runs on a drain too when at least `idle_audit_interval_s` seconds passed since the last
+    one it ran on a drain (0: on every drain).
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int = 4096
     audit_interval_steps: int = 0
+    idle_audit_interval_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -25,3 +29,6 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.audit_interval_steps < 0:
             raise ValueError("audit_interval_steps must be >= 0 (0 turns the periodic audit off)")
+        if not self.idle_audit_interval_s >= 0:
+            raise ValueError(f"idle_audit_interval_s must be >= 0 (0: the full audit on every "
+                             f"drain), got {self.idle_audit_interval_s}")

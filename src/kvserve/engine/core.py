@@ -164,6 +164,6 @@ class EngineCore:
             self.executor.release(finished)
 
     def _check_integrity(self) -> None:
-        report = self.scheduler.check_integrity()
+        report = self.scheduler.check_integrity(self.clock())
         if report is not None and self.on_audit is not None:
             self.on_audit(report)

@@ -83,6 +83,7 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self._was_idle = True
+        self._last_idle_audit: float | None = None  # when a drain last ran the full audit
 
     # -- admission ------------------------------------------------------------------------
 
@@ -274,15 +275,21 @@ class Scheduler:
 
     # -- integrity ------------------------------------------------------------------------
 
-    def check_integrity(self) -> AuditReport | None:
-        """The idle check when the engine just drained, the full audit every
-        `audit_interval_steps` steps; None when neither was due. Blocks held by requests the
-        scheduler no longer knows are reclaimed (and counted) after a failed check."""
+    def check_integrity(self, now: float) -> AuditReport | None:
+        """When the engine just drained: the idle check, and the full audit instead when
+        `idle_audit_interval_s` has passed since a drain last ran it. While busy: the full audit
+        every `audit_interval_steps` steps. None when nothing was due. Blocks held by requests
+        the scheduler no longer knows are reclaimed (and counted) after a failed check."""
         idle = not self.has_unfinished
         interval = self.config.audit_interval_steps
         report = None
         if idle and not self._was_idle:
-            report = self.kv_cache.check_idle()
+            last = self._last_idle_audit
+            if last is None or now - last >= self.config.idle_audit_interval_s:
+                report = self.kv_cache.check_idle()
+                self._last_idle_audit = now
+            else:
+                report = self.kv_cache.check_idle_quick()
         elif not idle and interval and self.num_steps % interval == 0:
             report = self.kv_cache.audit(self.live_request_ids)
         self._was_idle = idle

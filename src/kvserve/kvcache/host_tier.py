@@ -111,6 +111,7 @@ class HostTier:
         self.free_ids: deque[int] = deque(range(num_slots))
         self.lru: OrderedDict[bytes, HostSlot] = OrderedDict()  # READY, least recent first
         self.storing: dict[bytes, HostSlot] = {}
+        self.num_pins = 0  # sum of every slot's pin_cnt: what the O(1) idle check reads
         self.counters = HostTierCounters()
 
     def contains(self, block_hash: bytes) -> bool:
@@ -186,12 +187,14 @@ class HostTier:
         """A load will read `slot`: keep it until `unpin`, and mark it most recently used."""
         assert slot.state is SlotState.READY and slot.block_hash is not None, f"pinning {slot}"
         slot.pin_cnt += 1
+        self.num_pins += 1
         self.lru.move_to_end(slot.block_hash)
 
     def unpin(self, slot_id: int) -> None:
         slot = self.slots[slot_id]
         assert slot.pin_cnt > 0, f"unpinning {slot}"
         slot.pin_cnt -= 1
+        self.num_pins -= 1
 
     def clear(self) -> bool:
         """Forget every READY slot. Refused (False) while a slot is storing or pinned."""

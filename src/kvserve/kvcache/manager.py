@@ -21,6 +21,7 @@ from kvserve.kvcache.events import KVEvent
 from kvserve.kvcache.hashing import encode_extra_keys
 from kvserve.kvcache.host_audit import audit_host_tier
 from kvserve.kvcache.host_tier import HostSlot, HostTier
+from kvserve.kvcache.idle_check import merge_reports, quick_idle_report
 from kvserve.kvcache.ledger import Ledger, LedgerEntry, RequestRecord
 from kvserve.kvcache.publishing import announce, publish, withdraw
 from kvserve.kvcache.stats import KVCacheCounters, KVCacheStats
@@ -295,8 +296,15 @@ class KVCacheManager:
         return report
 
     def check_idle(self) -> AuditReport:
-        """The idle check: with no live request, zero blocks may be held."""
+        """The idle check with the full audit: with no live request, zero blocks may be held."""
         return self.audit(live_request_ids=())
+
+    def check_idle_quick(self) -> AuditReport:
+        """The idle check from counts, O(live) (idle_check.py); if it finds anything, the full
+        audit runs too and names every culprit in the returned report."""
+        self.counters.idle_checks += 1
+        quick = quick_idle_report(self.pool, self.ledger, self.pending, self.transfers)
+        return quick if quick.ok else merge_reports(self.check_idle(), quick)
 
     def reap(
         self,

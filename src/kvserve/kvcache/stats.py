@@ -22,7 +22,8 @@ class KVCacheCounters:
     reclaimed_blocks: int = 0  # freed by the reaper from requests nobody freed
     reaped_requests: int = 0
     redundant_frees: int = 0  # free() of a request that was already freed (idempotent no-op)
-    audit_runs: int = 0
+    audit_runs: int = 0  # full audits
+    idle_checks: int = 0  # idle checks from counts (a failed one runs a full audit too)
     audit_failures: int = 0
     frees_by_reason: dict[FreeReason, int] = field(default_factory=dict)
 

@@ -12,6 +12,28 @@ from dataclasses import dataclass, field
 
 import torch
 
+MIN_CASCADE_BLOCKS = 4  # a shared head shorter than this is cheaper to gather per sequence
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCascade:
+    """Prefill chunks (two or more) whose block tables start with the same `head_len // bs`
+    blocks, all inside every member's cached context: cascade_attention reads them once.
+
+    Per member, in `seq_idx` order: its rows start at `query_starts`, `query_lens` long; its
+    cached context is `context_starts` tokens (>= head_len), its whole context `seq_lens`.
+    """
+
+    seq_idx: tuple[int, ...]
+    rows: torch.Tensor  # [sum(query_lens)] int64, the members' rows of the flattened batch
+    head_block_ids: torch.Tensor  # [head_len // block_size] int64
+    head_len: int
+    query_starts: tuple[int, ...]
+    query_lens: tuple[int, ...]
+    context_starts: tuple[int, ...]
+    seq_lens: tuple[int, ...]
+    tail_block_ids: tuple[torch.Tensor, ...]  # per member: its blocks after the head
+
 
 @dataclass(slots=True)
 class DecodeBatch:
@@ -50,9 +72,12 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64, block_id * block_size + offset
     query_start_cpu: tuple[int, ...] = ()  # host copy of query_start_loc
     seq_lens_cpu: tuple[int, ...] = ()  # host copy of seq_lens
+    block_tables_cpu: Sequence[Sequence[int]] = ()  # host copy of block_tables (rows may be
+    # shorter than the tensor's: padding is never read)
     prefill_seq_idx: tuple[int, ...] = field(init=False)  # sequences with query_len > 1
     decode_seq_idx: tuple[int, ...] = field(init=False)  # sequences with query_len == 1
     _decode: DecodeBatch | None = field(init=False, default=None)
+    _cascades: tuple[PrefillCascade, ...] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not self.query_start_cpu:
@@ -87,6 +112,54 @@ class AttentionMetadata:
             )
         return self._decode
 
+    def prefill_cascades(self, block_size: int) -> tuple[PrefillCascade, ...]:
+        """Groups of prefill chunks that share a head of at least MIN_CASCADE_BLOCKS cached
+        blocks (planned on first call; chunks with no shared head are in none)."""
+        if self._cascades is None:
+            self._cascades = self._plan_cascades(block_size)
+        return self._cascades
+
+    def _plan_cascades(self, block_size: int) -> tuple[PrefillCascade, ...]:
+        starts, lens = self.query_start_cpu, self.seq_lens_cpu
+        if len(self.prefill_seq_idx) < 2:
+            return ()
+        tables = self.block_tables_cpu or self.block_tables.tolist()
+        by_first_block: dict[int, list[int]] = {}
+        for i in self.prefill_seq_idx:
+            context = lens[i] - (starts[i + 1] - starts[i])
+            if context >= MIN_CASCADE_BLOCKS * block_size:
+                by_first_block.setdefault(tables[i][0], []).append(i)
+        plans = []
+        device = self.block_tables.device
+        for members in by_first_block.values():
+            if len(members) < 2:
+                continue
+            first = tables[members[0]]
+            num_head = min((lens[i] - (starts[i + 1] - starts[i])) // block_size
+                           for i in members)
+            for i in members[1:]:
+                table = tables[i]
+                same = 0
+                while same < num_head and table[same] == first[same]:
+                    same += 1
+                num_head = same
+            if num_head < MIN_CASCADE_BLOCKS:
+                continue
+            rows = [r for i in members for r in range(starts[i], starts[i + 1])]
+            plans.append(PrefillCascade(
+                seq_idx=tuple(members),
+                rows=torch.tensor(rows, dtype=torch.int64, device=device),
+                head_block_ids=torch.tensor(first[:num_head], dtype=torch.int64, device=device),
+                head_len=num_head * block_size,
+                query_starts=tuple(starts[i] for i in members),
+                query_lens=tuple(starts[i + 1] - starts[i] for i in members),
+                context_starts=tuple(lens[i] - (starts[i + 1] - starts[i]) for i in members),
+                seq_lens=tuple(lens[i] for i in members),
+                tail_block_ids=tuple(self.block_tables[i, num_head:-(-lens[i] // block_size)]
+                                     for i in members),
+            ))
+        return tuple(plans)
+
     @classmethod
     def from_lists(cls, query_lens: Sequence[int], seq_lens: Sequence[int],
                    block_tables: Sequence[Sequence[int]], block_size: int,
@@ -114,6 +187,7 @@ class AttentionMetadata:
             slot_mapping=slot_mapping.to(device),
             query_start_cpu=tuple(query_start),
             seq_lens_cpu=tuple(seq_lens),
+            block_tables_cpu=[list(t) for t in block_tables],
         )
 
 

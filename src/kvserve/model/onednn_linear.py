@@ -1,10 +1,16 @@
-"""Linear layers through oneDNN on CPUs: weights prepacked once, activations converted per call.
+"""Linear layers through oneDNN on CPUs: weights prepacked once, activations read in place.
 
 PyTorch's CPU `F.linear` runs on its BLAS (MKL in the official wheels), which takes a slow path
 on AMD processors; oneDNN, also inside every PyTorch CPU build, does not. Measured on the 2-core
 AMD EPYC (AVX-512) that runs this project's CI, fp32, 2 threads: a [32, 768] x [768, 4096]
-matmul 1.44 ms with MKL, 0.77 ms with oneDNN; the 32000-row lm_head of one decode token 5.2 vs
-1.5 ms. Results are fp32 with a different summation order (errors ~1e-6 relative).
+matmul 1.34 ms with MKL, 0.44 ms with oneDNN; the 32000-row lm_head of one decode token 5.6 vs
+1.1 ms. Results are fp32 with a different summation order (errors ~1e-6 relative).
+
+The call goes through `mkldnn::_linear_pointwise` (the op PyTorch's own compiler emits for a
+packed CPU linear): it takes and returns ordinary dense tensors, so no activation is converted
+to and from oneDNN's tensor type. That conversion cost more than the matmul itself for the
+tiny model's prefill ([1056, 256] x [256, 1024]: 3.9 ms with it, 1.1 ms without). Builds that
+lack the op fall back to `mkldnn_linear` on converted activations.
 
 `PackedLinear` holds a weight in oneDNN's blocked layout, so it is read-only: pack after the
 weights are loaded and fused, and only for inference.
@@ -13,6 +19,14 @@ weights are loaded and fused, and only for inference.
 from __future__ import annotations
 
 import torch
+
+
+def _has_pointwise_op() -> bool:
+    try:
+        return hasattr(torch.ops.mkldnn, "_linear_pointwise") and hasattr(
+            torch.ops.mkldnn, "_reorder_linear_weight")
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -25,18 +39,32 @@ class PackedLinear:
     """y = x @ weight.T + bias, with weight [out, in] (and bias [out]) prepacked for oneDNN.
 
     Calls take and return ordinary dense tensors; the packed weight is a copy, so the caller
-    may drop the dense one.
+    may drop the dense one. `in_place_activations=False` forces the converting fallback path
+    (what builds without `_linear_pointwise` run).
     """
 
-    __slots__ = ("bias", "in_features", "out_features", "weight")
+    __slots__ = ("bias", "in_features", "in_place", "out_features", "weight")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *,
+                 in_place_activations: bool = True) -> None:
         self.out_features, self.in_features = weight.shape
-        self.weight = weight.detach().contiguous().to_mkldnn()  # [out, in], oneDNN layout
-        self.bias = None if bias is None else bias.detach().contiguous().to_mkldnn()  # [out]
+        self.in_place = in_place_activations and _has_pointwise_op()
+        dense = weight.detach().contiguous()
+        if self.in_place:
+            # None: no batch-size hint, so oneDNN picks a layout good for every row count.
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(dense, None)  # [out, in]
+            self.bias = None if bias is None else bias.detach().contiguous()  # [out], dense
+        else:
+            self.weight = dense.to_mkldnn()  # [out, in], oneDNN layout
+            self.bias = None if bias is None else bias.detach().contiguous().to_mkldnn()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in] -> [num_tokens, out] (dense, x's dtype)."""
-        out: torch.Tensor = torch._C._nn.mkldnn_linear(
-            x.contiguous().to_mkldnn(), self.weight, self.bias).to_dense()
+        out: torch.Tensor
+        if self.in_place:
+            out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias,
+                                                     "none", [], "")
+        else:
+            out = torch._C._nn.mkldnn_linear(
+                x.contiguous().to_mkldnn(), self.weight, self.bias).to_dense()
         return out

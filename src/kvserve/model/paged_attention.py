@@ -19,7 +19,9 @@ contexts, and runs one SDPA per prefill chunk (a chunk with no cached context at
 fresh K/V, the very values just written, and skips the gather). It is device and dtype agnostic
 (CPU float32, CUDA bf16) and needs no extension. Cost: the gathers copy each decode's whole
 context once per layer, so this path is memory-bound; it is the correctness reference that
-faster kernels must match.
+faster kernels must match. Where sequences share a head of blocks (a prefix-cache hit), decodes
+and prefill chunks take the cascade paths of cascade_attention instead (no sliding window): the
+head is read once for all of them, with the same result.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model.attention_metadata import AttentionMetadata, DecodeBatch
+from kvserve.model.cascade_attention import (
+    MIN_CASCADE_BLOCKS,
+    cascade_decode,
+    cascade_prefill,
+    shared_head_blocks,
+)
 from kvserve.model.config import ModelConfig
 
 
@@ -102,7 +110,15 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if plan is not None:
         out[plan.token_idx] = _decode_attention(query[plan.token_idx], kv_cache, plan,
                                                 scale, sliding_window)
+    in_cascade: set[int] = set()
+    if sliding_window is None:
+        for cascade in attn_metadata.prefill_cascades(kv_cache.block_size):
+            out.index_copy_(0, cascade.rows,
+                            cascade_prefill(query, key, value, kv_cache, cascade, scale))
+            in_cascade.update(cascade.seq_idx)
     for seq_idx in attn_metadata.prefill_seq_idx:
+        if seq_idx in in_cascade:
+            continue
         start = attn_metadata.query_start_cpu[seq_idx]
         end = attn_metadata.query_start_cpu[seq_idx + 1]
         seq_len = attn_metadata.seq_lens_cpu[seq_idx]
@@ -149,75 +165,16 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
     return blocks.flatten(0, 1)[:seq_len]
 
 
-MIN_CASCADE_BLOCKS = 4  # a shared head shorter than this is cheaper to gather per sequence
-
-
-def _shared_head_blocks(tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> int:
-    """Leading blocks every decode's table lists identically (a shared prompt prefix), capped so
-    they lie wholly inside every context."""
-    if tables.shape[0] < 2:
-        return 0
-    same = (tables == tables[:1]).all(dim=0)  # [num_blocks]
-    shared = int(same.logical_not().nonzero()[0]) if not bool(same.all()) else same.numel()
-    return min(shared, int(seq_lens.min()) // block_size)
-
-
-def _cascade_decode(query: torch.Tensor, kv_cache: KVCache, plan: DecodeBatch, scale: float,
-                    num_shared: int, num_blocks: int) -> torch.Tensor:
-    """Decodes that share a head of blocks: attend to the head once for all queries, to each
-    tail separately, and merge the two softmax parts exactly (log-sum-exp). query [D, H, hd]
-    -> [D, H, hd]. Reads the shared K/V once instead of once per sequence."""
-    block_size = kv_cache.block_size
-    num_decodes, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    q = query.float().view(num_decodes, num_kv_heads, group, head_dim)  # [D, KVH, G, hd]
-    # Head: one [KVH, D*G, L_head] score matrix against K/V gathered once.
-    head_ids = plan.block_tables[0, :num_shared]
-    k_head = kv_cache.key_cache.index_select(0, head_ids).flatten(0, 1).float()  # [Lh, KVH, hd]
-    v_head = kv_cache.value_cache.index_select(0, head_ids).flatten(0, 1).float()
-    q_rows = q.permute(1, 0, 2, 3).reshape(num_kv_heads, num_decodes * group, head_dim)
-    s_head = torch.bmm(q_rows, k_head.permute(1, 2, 0)) * scale  # [KVH, D*G, Lh]
-    m_head = s_head.amax(dim=-1, keepdim=True)  # [KVH, D*G, 1]
-    p_head = (s_head - m_head).exp()
-    l_head = p_head.sum(dim=-1, keepdim=True)  # [KVH, D*G, 1]
-    o_head = torch.bmm(p_head, v_head.permute(1, 0, 2))  # [KVH, D*G, hd]
-    # Tails: each decode's own blocks after the head, masked to its length.
-    tail = plan.block_tables[:, num_shared:num_blocks].reshape(-1)  # [D * nt]
-    tail_len = (num_blocks - num_shared) * block_size
-    k_tail = kv_cache.key_cache.index_select(0, tail).view(
-        num_decodes, tail_len, num_kv_heads, head_dim).float()  # [D, Lt, KVH, hd]
-    v_tail = kv_cache.value_cache.index_select(0, tail).view(
-        num_decodes, tail_len, num_kv_heads, head_dim).float()
-    s_tail = torch.einsum("dkgh,dlkh->dkgl", q, k_tail) * scale  # [D, KVH, G, Lt]
-    pos = num_shared * block_size + torch.arange(tail_len, device=query.device)
-    visible = pos[None, :] < plan.seq_lens[:, None]  # [D, Lt]
-    s_tail = s_tail.masked_fill(~visible[:, None, None, :], float("-inf"))
-    m_tail = s_tail.amax(dim=-1, keepdim=True)  # [D, KVH, G, 1]; -inf for an empty tail
-    m_tail = torch.where(torch.isinf(m_tail), torch.zeros_like(m_tail), m_tail)
-    p_tail = (s_tail - m_tail).exp()
-    l_tail = p_tail.sum(dim=-1, keepdim=True)
-    o_tail = torch.einsum("dkgl,dlkh->dkgh", p_tail, v_tail)  # [D, KVH, G, hd]
-    # Merge: bring the head's parts to [D, KVH, G, *] and combine with a common max.
-    def per_decode(x: torch.Tensor) -> torch.Tensor:
-        return x.view(num_kv_heads, num_decodes, group, -1).permute(1, 0, 2, 3)
-    m_h, l_h, o_h = per_decode(m_head), per_decode(l_head), per_decode(o_head)
-    m = torch.maximum(m_h, m_tail)
-    w_head, w_tail = (m_h - m).exp(), (m_tail - m).exp()
-    out = (o_h * w_head + o_tail * w_tail) / (l_h * w_head + l_tail * w_tail)
-    return out.reshape(num_decodes, num_heads, head_dim).to(query.dtype)
-
-
 def _decode_attention(query: torch.Tensor, kv_cache: KVCache, plan: DecodeBatch, scale: float,
                       sliding_window: int | None) -> torch.Tensor:
     """All decodes at once: query [D, H, hd] over padded contexts -> [D, H, hd]."""
     block_size = kv_cache.block_size
     num_blocks = -(-plan.max_seq_len // block_size)
     if sliding_window is None:
-        num_shared = _shared_head_blocks(plan.block_tables[:, :num_blocks], plan.seq_lens,
-                                         block_size)
+        num_shared = shared_head_blocks(plan.block_tables[:, :num_blocks], plan.seq_lens,
+                                        block_size)
         if num_shared >= MIN_CASCADE_BLOCKS:
-            return _cascade_decode(query, kv_cache, plan, scale, num_shared, num_blocks)
+            return cascade_decode(query, kv_cache, plan, scale, num_shared, num_blocks)
     tables = plan.block_tables[:, :num_blocks]  # [D, num_blocks]
     num_decodes = tables.shape[0]
     flat = tables.reshape(-1)  # [D * num_blocks]; index_select copies faster than fancy indexing

@@ -80,6 +80,7 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             query_start_cpu=tuple(query_start),
             seq_lens_cpu=tuple(seq_lens),
+            block_tables_cpu=[item.block_table for item in output.scheduled],
         )
         tokens = torch.tensor(input_ids, dtype=torch.long, device=device)  # [num_tokens]
         pos = torch.tensor(positions, dtype=torch.long, device=device)  # [num_tokens]

@@ -20,6 +20,10 @@ class EngineArgs:
     `onednn_linear`: on CPU, run the linear layers through oneDNN with prepacked weights (the
     same fp32 math, in another summation order; 1.8-2.2x faster than PyTorch's default BLAS on
     the AMD CPUs measured); False keeps PyTorch's `F.linear`.
+    `idle_audit_interval_s`: the idle check runs whenever the engine drains; the full audit
+    runs on a drain at most once per that many seconds (0: on every drain).
+    `reuse_host_memory`: on CPU, make the C library keep freed memory for reuse instead of
+    unmapping it (process-wide; see runtime/host_memory.py); False leaves the allocator alone.
     """
 
     model: str | None = None
@@ -35,9 +39,11 @@ class EngineArgs:
     device: str = "cpu"
     seed: int = 0
     audit_interval_steps: int = 0
+    idle_audit_interval_s: float = 60.0
     num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
     served_model_name: str | None = None
     onednn_linear: bool = True
+    reuse_host_memory: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

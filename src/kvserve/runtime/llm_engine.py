@@ -35,6 +35,7 @@ from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
 from kvserve.runtime.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from kvserve.runtime.engine_args import EngineArgs
+from kvserve.runtime.host_memory import reuse_freed_host_memory
 from kvserve.runtime.kv_event_log import KVEventLog
 from kvserve.runtime.outputs import CompletionOutput, RequestOutput
 
@@ -84,6 +85,8 @@ class LLMEngine:
     def from_args(cls, args: EngineArgs) -> LLMEngine:
         """Load the model and tokenizer, size and allocate the KV cache, wire the engine."""
         torch.set_num_threads(args.resolve_num_threads())
+        if args.reuse_host_memory and torch.device(args.device).type == "cpu":
+            reuse_freed_host_memory()
         path = args.model or str(ensure_demo_model())
         dtype = _DTYPES[args.dtype] if args.dtype else None
         loaded = load_model(path, device=args.device, dtype=dtype)
@@ -111,7 +114,8 @@ class LLMEngine:
         runner = ModelRunner(loaded.model, kv_caches, args.block_size,
                              Sampler(args.seed, loaded.device), host_kv_caches)
         scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
-                                              max_model_len, args.audit_interval_steps), kv_cache)
+                                              max_model_len, args.audit_interval_steps,
+                                              args.idle_audit_interval_s), kv_cache)
         eos = frozenset(loaded.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         engine = cls(args, tokenizer, core=None, kv_cache=kv_cache,  # type: ignore[arg-type]

@@ -40,6 +40,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--audit-interval-steps", type=int, default=0,
                    help="run the full KV cache audit every N steps (0: only when idle)")
+    p.add_argument("--idle-audit-interval-s", type=float, default=60.0,
+                   help="the idle check runs on every drain; the full audit on a drain at most "
+                        "once per this many seconds (0: on every drain)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads")
 
 
@@ -53,7 +56,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         dtype=args.dtype, device=args.device, seed=args.seed,
-        audit_interval_steps=args.audit_interval_steps, num_threads=args.num_threads,
+        audit_interval_steps=args.audit_interval_steps,
+        idle_audit_interval_s=args.idle_audit_interval_s, num_threads=args.num_threads,
     )
 
 

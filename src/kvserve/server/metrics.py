@@ -95,6 +95,8 @@ class EngineCollector(Collector):
             ("kvserve:kv_reclaimed_blocks", "Blocks reclaimed from requests nobody freed.",
              c.reclaimed_blocks),
             ("kvserve:kv_audit_runs", "Cache audits run.", c.audit_runs),
+            ("kvserve:kv_idle_checks", "Idle checks of the cache from its counts.",
+             c.idle_checks),
             ("kvserve:kv_audit_failures", "Cache audits that found a broken invariant.",
              c.audit_failures),
         ):
