@@ -75,7 +75,7 @@ class KVPuller:
                 self.metrics.failed("connection")
                 raise KVTransferFailed(f"KV transfer from prefill worker {prefill_url} failed: "
                                        f"{type(exc).__name__}: {exc}") from None
-        self.metrics.seconds.observe(time.monotonic() - started)
+        self.metrics.pull_seconds.observe(time.monotonic() - started)
         return list(start.token_ids)
 
     def finish(self, import_id: str) -> None:
@@ -110,6 +110,7 @@ class KVPuller:
                 self.metrics.failed(f"http_{response.status_code}")
                 raise KVTransferFailed(f"KV transfer from prefill worker {prefill_url} failed: "
                                        f"it answered {response.status_code}: {text}")
+            streaming_since = time.monotonic()
             async for chunk in response.aiter_raw():
                 self.metrics.bytes_received.inc(len(chunk))
                 for frame in decoder.feed(chunk):
@@ -135,6 +136,7 @@ class KVPuller:
             return
         if batch and has_room:
             await self._landed(self._submit(import_id, batch))
+        self.metrics.seconds.observe(time.monotonic() - streaming_since)
 
     def _submit(self, import_id: str, batch: list[tuple[int, bytes, bytes]]) -> Future[bool]:
         self.metrics.blocks_received.inc(len(batch))

@@ -165,9 +165,13 @@ class TransferMetrics:
                                          "whose CRC32 did not match (the request failed).")
         self.failures = Counter("kvserve:kv_transfer_failures", "KV pulls that failed, by "
                                 "cause.", ["model_name", "cause"], registry=reg)
-        self.seconds = Histogram("kvserve:kv_transfer_seconds", "One KV pull, decode side: "
-                                 "request sent to last block imported.", label,
-                                 buckets=TRANSFER_BUCKETS, registry=reg).labels(model_name)
+        self.seconds = Histogram("kvserve:kv_transfer_seconds", "One KV stream, decode side: "
+                                 "the prefill worker's answer (its KV ready) to the last block "
+                                 "imported.", label, buckets=TRANSFER_BUCKETS,
+                                 registry=reg).labels(model_name)
+        self.pull_seconds = Histogram("kvserve:kv_pull_seconds", "One KV pull, decode side, "
+                                      "end to end: the prefill included.", label,
+                                      buckets=TRANSFER_BUCKETS, registry=reg).labels(model_name)
         self._model_name = model_name
 
     def failed(self, cause: str) -> None:
