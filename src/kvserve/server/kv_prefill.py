@@ -80,14 +80,19 @@ class PrefillService:
         llm = self.engine.engine
         box: dict[str, ExportedBlocks | None] = {}
 
+        errors: list[str] = []
+
         def on_finish(output: RequestOutput) -> None:  # the engine thread, blocks still cached
-            if output.outputs[0].finish_reason in (FinishReason.LENGTH, FinishReason.STOP):
+            if output.outputs[0].finish_reason not in (FinishReason.LENGTH, FinishReason.STOP):
+                return
+            try:  # never let a failed copy take the engine loop down with it
                 box["kv"] = export_prompt_blocks(llm, body.token_ids, body.cache_salt,
                                                  body.first_block, stop)
+            except Exception as exc:
+                errors.append(f"copying its KV out failed: {exc!r}")
 
         params = SamplingParams(max_tokens=1, temperature=0.0)
         request_id = f"prefill-{uuid.uuid4().hex}"
-        errors: list[str] = []
 
         async def run() -> None:
             async for output in self.engine.generate(request_id, body.token_ids, params,
