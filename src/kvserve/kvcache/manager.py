@@ -302,9 +302,8 @@ class KVCacheManager:
         and requests holding blocks idle for longer than `idle_timeout_s`. Counts the requests
         and blocks reclaimed; returns the reaped request ids."""
         reaped = self.ledger.abandoned(self._clock(), idle_timeout_s, live_request_ids)
-        if self.imports is not None:
-            self.counters.reclaimed_blocks += self.imports.reap(self._clock(), idle_timeout_s,
-                                                                live_request_ids)
+        if self.imports is not None:  # host slots, not blocks: counted as cancelled imports
+            self.imports.reap(self._clock(), idle_timeout_s, live_request_ids)
         for record in reaped:
             self.counters.reclaimed_blocks += self.free(record.request_id, FreeReason.REAPED)
             self.counters.reaped_requests += 1
