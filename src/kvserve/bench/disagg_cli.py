@@ -25,8 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from kvserve.bench.disagg_load import MixResult, MixSpec, percentile, run_mix
+from kvserve.bench.disagg_load import MixResult, MixSpec, run_mix
 from kvserve.bench.gateway_fleet import KvserveGateway
+from kvserve.bench.serve_load import percentile
 from kvserve.bench.server_launch import KVSERVE, LaunchedServer, LaunchError, LaunchSpec
 
 UNIFIED = "unified"

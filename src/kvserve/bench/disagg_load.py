@@ -122,11 +122,3 @@ async def run_mix(url: str, model: str, spec: MixSpec, seed_tag: str = "") -> Mi
         result.wall_s = time.perf_counter() - started
     return result
 
-
-def percentile(samples: list[float], q: float) -> float:
-    """The q-th percentile (0..100, nearest rank); NaN without samples."""
-    if not samples:
-        return float("nan")
-    ordered = sorted(samples)
-    rank = max(0, min(len(ordered) - 1, round(q / 100 * len(ordered)) - 1))
-    return ordered[rank]
