@@ -120,9 +120,17 @@ class Metrics:
 def running_workers(model_dir: Path, log_dir: Path, count: int,
                     flags: Sequence[str] = ()) -> Iterator[list[Process]]:
     """`count` `kvserve serve` workers (started together, so they load in parallel), healthy."""
+    with running_worker_set(model_dir, log_dir, [flags] * count) as workers:
+        yield workers
+
+
+@contextlib.contextmanager
+def running_worker_set(model_dir: Path, log_dir: Path,
+                       flag_sets: Sequence[Sequence[str]]) -> Iterator[list[Process]]:
+    """One `kvserve serve` worker per entry of `flag_sets` (its extra flags), started together."""
     workers: list[Process] = []
     try:
-        for i in range(count):
+        for i, flags in enumerate(flag_sets):
             workers.append(Process(f"worker{i}", ["serve", "--model", str(model_dir),
                                                   *WORKER_FLAGS, *flags], log_dir))
         for worker in workers:

@@ -19,10 +19,12 @@ from kvserve.kvcache import (
     BlockRemoved,
     BlockStored,
     FreeReason,
+    ImportState,
     KVCacheManager,
     PrefixHit,
     ViolationKind,
 )
+from kvserve.kvcache.host_tier import SlotState
 from tests.kvcache.conftest import FakeClock
 
 TENANTS = (None, "tenant-a", "tenant-b")
@@ -85,6 +87,7 @@ class EngineModel:
         self.index: set[bytes] = set()  # the cache as an external indexer sees it from KV events
         self.num_removed = 0  # hashes in BlockRemoved events
         self.next_id = 0
+        self.open_imports: set[str] = set()  # KV imports whose transfer is still running
 
     # -- the engine's steps, each checked against the call's contract -----------------------
 
@@ -211,11 +214,19 @@ class EngineModel:
         report = self.mgr.audit(live_request_ids=set(self.live))
         leaked = {v.request_id for v in report.violations if v.kind is ViolationKind.LEAK}
         assert leaked == set(self.abandoned), report.describe()
-        host = report.host
-        host_held = host is not None and (host.num_storing > 0 or host.num_pinned > 0)
-        held_while_idle = not self.live and (report.num_held > 0 or host_held)
+        imports = self.mgr.imports
+        held_slots = set() if imports is None else {
+            s.slot_id for s in imports.host.slots if s.pin_cnt or s.state is SlotState.STORING}
+        for imp in imports.imports.values() if imports is not None else ():
+            if imp.state is ImportState.OPEN:  # its transfer is still running: not idle-held
+                held_slots -= {*imp.pinned, *imp.reserved}
+        held_while_idle = not self.live and (report.num_held > 0 or bool(held_slots))
         expected = {ViolationKind.LEAK} if self.abandoned else set()
         expected |= {ViolationKind.HELD_WHILE_IDLE} if held_while_idle else set()
+        if imports is not None and any(
+                rid in imports.imports and imports.imports[rid].state is ImportState.ATTACHED
+                for rid in self.abandoned):
+            expected.add(ViolationKind.IMPORT_LEAK)
         assert report.kinds() == expected, report.describe()
 
     def check_requests_verify_and_match(self) -> None:
@@ -249,6 +260,8 @@ class EngineModel:
         """Aborting everything left leaves the cache idle with every block free."""
         for rid in [*self.live, *self.abandoned]:
             self.mgr.free(rid, FreeReason.ABORTED)
+        for import_id in list(self.open_imports):
+            self.mgr.imports.cancel(import_id)  # type: ignore[union-attr]
         self.run_step()  # offloads scheduled before the aborts still run
         idle = self.mgr.check_idle()
         assert idle.ok, idle.describe()

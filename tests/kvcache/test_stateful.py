@@ -4,10 +4,12 @@ A hypothesis state machine plays the engine: it adds requests (a few shared pref
 suffixes, three tenants), admits them with their prefix hit (sometimes a hit stashed earlier in
 the step), prefills in chunks, decodes, aborts / preempts / finishes (sometimes twice), forgets
 some requests (leaks), advances a fake clock and reaps, all under memory pressure. With a host
-tier (HostTierMachine: a small device pool over host slots), evictions offload, hits load, and
-steps confirm or fail their copies. Its own model of the engine's live set and of what each
-tenant has written (stateful_model.py) is checked against the cache after every step: the
-audit, `verify`, the block census, the KV-event index and the hit rules.
+tier (HostTierMachine: a small device pool over host slots), evictions offload, hits load,
+steps confirm or fail their copies, and KV imported from a prefill worker lands in host slots
+(cancelled, left open, or taken over by its request's admission). Its own model of the
+engine's live set and of what each tenant has written (stateful_model.py) is checked against
+the cache after every step: the audit, `verify`, the block census, the KV-event index and the
+hit rules.
 """
 
 from __future__ import annotations
@@ -237,6 +239,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.model.live.pop(rid, None)
             self.model.abandoned.pop(rid, None)
             self.model.stash.pop(rid, None)
+        if mgr.imports is not None:  # open imports idle past the timeout were reaped too
+            self.model.open_imports &= set(mgr.imports.imports)
         self.model.settle_if_idle()
 
     @precondition(lambda self: self.model.mgr.transfers is not None)
@@ -252,9 +256,9 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @rule()
     def reset_prefix_cache(self) -> None:
-        transfers = self.model.mgr.transfers
+        transfers, imports = self.model.mgr.transfers, self.model.mgr.imports
         is_idle = self.model.mgr.stats().num_held_blocks == 0 and (
-            transfers is None or transfers.is_idle)
+            transfers is None or transfers.is_idle) and not (imports and imports.imports)
         assert self.model.mgr.reset_prefix_cache() is is_idle
         if is_idle:
             assert not self.model.mgr.pool.cached
@@ -331,6 +335,60 @@ class HostTierMachine(KVCacheMachine):
                 model.live.pop(rid)
                 assert model.mgr.free(rid) == model.num_blocks_for(len(tokens))
             model.settle_if_idle()
+
+
+    @rule(
+        data=st.data(),
+        salt=st.sampled_from(TENANTS),
+        prefix=st.sampled_from(PREFIXES),
+        suffix=st.lists(st.integers(0, 3), max_size=6),
+        then=st.sampled_from(["attach", "attach", "cancel", "keep open"]),
+    )
+    def import_prompt(self, data: st.DataObject, salt: str | None, prefix: tuple[int, ...],
+                      suffix: list[int], then: str) -> None:
+        """KV for a prompt arrives from a prefill worker: some of its blocks are reserved and
+        confirmed (the last one maybe left reserved), then the transfer fails (cancel), goes on
+        (kept open), or completes and its request is queued (attach): admitted later by the
+        ordinary rules, through the host-tier hit."""
+        model, imports = self.model, self.model.mgr.imports
+        assert imports is not None
+        rid = f"i{model.next_id}"
+        model.next_id += 1
+        tokens = [*prefix, *suffix]
+        plan = imports.open(rid, tokens, salt)
+        num = data.draw(st.integers(0, plan.num_blocks), label="blocks received")
+        bs = model.bs
+        for offset in range(num):
+            idx = plan.first_block + offset
+            grant = imports.reserve(rid, idx, plan.block_hashes[offset])
+            if grant is None:
+                event("import: no host room")
+                break
+            if grant.needs_write and then != "attach" and offset == num - 1 and data.draw(
+                    st.booleans(), label="leave the last one reserved"):
+                break
+            if grant.needs_write:
+                imports.confirm(rid, grant)
+            model.written.add((salt, tuple(tokens[: (idx + 1) * bs])))
+        if then == "cancel":
+            imports.cancel(rid)
+        elif then == "keep open":
+            model.open_imports.add(rid)
+        else:
+            imports.attach(rid)
+            model.mgr.add_request(rid, tokens, cache_salt=salt)
+            model.live[rid] = Req(tokens, salt, model.clock.now)
+            event("import attached")
+
+    @precondition(lambda self: self.model.open_imports)
+    @rule(data=st.data())
+    def end_open_import(self, data: st.DataObject) -> None:
+        """A transfer that was still running fails or is aborted: its import is cancelled."""
+        rid = self._pick(data, list(self.model.open_imports))
+        self.model.open_imports.discard(rid)
+        assert self.model.mgr.imports is not None
+        self.model.mgr.imports.cancel(rid)
+        assert rid not in self.model.mgr.imports.imports
 
 
 HostTierMachine.TestCase.settings = settings(KVCacheMachine.TestCase.settings, max_examples=150)

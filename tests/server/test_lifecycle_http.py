@@ -42,7 +42,7 @@ def _assert_429(response: httpx.Response) -> None:
 
 def test_health_is_ok(server: ServerProcess) -> None:
     response = httpx.get(f"{server.url}/health", timeout=10.0)
-    assert response.status_code == 200 and response.json() == {"status": "ok"}
+    assert response.status_code == 200 and response.json() == {"status": "ok", "role": "both"}
 
 
 def _rejected(server: ServerProcess) -> float:

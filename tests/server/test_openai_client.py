@@ -246,4 +246,4 @@ def test_openai_client_raises_typed_errors(client: openai.OpenAI, model: str) ->
 
 def test_health(server: ServerProcess) -> None:
     response = httpx.get(f"{server.url}/health", timeout=10.0)
-    assert response.status_code == 200 and response.json() == {"status": "ok"}
+    assert response.status_code == 200 and response.json() == {"status": "ok", "role": "both"}

@@ -20,7 +20,12 @@ from kvserve.gateway.admission import Admission, Saturated
 from kvserve.gateway.forward import Forwarder, NoWorkerAvailable, Upstream
 from kvserve.gateway.kv_events import EventFollower
 from kvserve.gateway.metrics import GatewayMetrics
-from kvserve.gateway.policies import NoHealthyWorker, PrecisePolicy, make_policy
+from kvserve.gateway.policies import (
+    DisaggregatedRouter,
+    NoHealthyWorker,
+    PrecisePolicy,
+    make_policy,
+)
 from kvserve.gateway.retry_budget import RetryBudget
 from kvserve.gateway.route_key import route_request_for
 from kvserve.gateway.scraper import Scraper
@@ -50,7 +55,15 @@ class GatewaySettings:
     tokenizer: str | None = None  # the workers' tokenizer, for exact keys (`precise`)
     block_size: int = 16  # the workers' KV block size, for exact keys
     events_interval_s: float = 0.25  # `precise`: pause after a failed read of KV events
-    admin_key: str | None = None  # sent to the workers' /kv/events
+    admin_key: str | None = None  # sent to the workers' /kv/events and to decode workers
+    # Disaggregated mode (both non-empty): prompts prefilled on `prefill_workers` (by
+    # `policy`), decoded on `decode_workers` (by least load); `workers` is then their union.
+    prefill_workers: tuple[str, ...] = ()
+    decode_workers: tuple[str, ...] = ()
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return bool(self.prefill_workers or self.decode_workers)
 
 
 def _error(status: int, message: str, err_type: str = "invalid_request_error",
@@ -80,6 +93,15 @@ def _parse_json(raw: bytes) -> Any:
 def create_gateway(settings: GatewaySettings) -> FastAPI:
     pool = WorkerPool(list(settings.workers))
     policy = make_policy(settings.policy)
+    disagg = None
+    if settings.is_disaggregated:
+        disagg = DisaggregatedRouter(policy, make_policy("least_load"),
+                                     settings.prefill_workers, settings.decode_workers)
+        if set(settings.workers) != disagg.prefill_ids | disagg.decode_ids:
+            raise ValueError("in disaggregated mode every worker is a --prefill-worker or a "
+                             "--decode-worker; drop the plain --worker URLs")
+        for url, worker in pool.workers.items():
+            worker.role = disagg.role_of(url)
     admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
     budget = RetryBudget(ratio=settings.retry_ratio)
     metrics = GatewayMetrics(pool, admission, budget)
@@ -87,7 +109,7 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
                                                    max_keepalive_connections=256))
     upstream_client = UpstreamClient()
     forwarder = Forwarder(pool, policy, upstream_client, budget, metrics, settings.policy,
-                          settings.request_timeout_s)
+                          settings.request_timeout_s, disagg, settings.admin_key)
     scraper = Scraper(pool, client, settings.scrape_interval_s)
     keys = ExactKeys(settings.tokenizer, settings.block_size, settings.policy == "precise")
     follower = (EventFollower(pool, policy, client, settings.events_interval_s,
@@ -212,8 +234,10 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
     @app.get("/workers")
     async def workers() -> dict[str, Any]:
         now = time.monotonic()
-        return {"policy": settings.policy, "workers": [
-            {"url": w.url, "healthy": w.view(now).healthy, "in_flight": w.in_flight,
+        return {"policy": settings.policy,
+                "mode": "disaggregated" if disagg is not None else "unified", "workers": [
+            {"url": w.url, "role": w.role, "healthy": w.view(now).healthy,
+             "in_flight": w.in_flight,
              "num_running": w.num_running, "num_waiting": w.num_waiting,
              "kv_usage": w.kv_usage, "prefix_hit_rate": (w.prefix_hits / w.prefix_queries
                                                          if w.prefix_queries else None),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -44,9 +45,13 @@ def _add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                    help="mixed into tenant salts (env KVSERVE_SALT_SECRET)")
 
 
-def _settings(args: argparse.Namespace, workers: list[str]) -> GatewaySettings:
+def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] | None = None,
+              decode: list[str] | None = None) -> GatewaySettings:
+    prefill_urls = tuple(w.rstrip("/") for w in prefill or ())
+    decode_urls = tuple(w.rstrip("/") for w in decode or ())
     return GatewaySettings(
-        workers=tuple(w.rstrip("/") for w in workers), policy=args.policy,
+        workers=tuple(w.rstrip("/") for w in workers) + prefill_urls + decode_urls,
+        prefill_workers=prefill_urls, decode_workers=decode_urls, policy=args.policy,
         max_in_flight=args.max_in_flight, max_queued=args.max_queued,
         queue_timeout_s=args.queue_timeout, retry_ratio=args.retry_ratio,
         tenancy=Tenancy.from_specs(args.share_group, args.tenant_header, args.salt_secret),
@@ -56,13 +61,26 @@ def _settings(args: argparse.Namespace, workers: list[str]) -> GatewaySettings:
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g = sub.add_parser("gateway", help="cache-aware gateway in front of OpenAI-compatible workers")
-    g.add_argument("--worker", action="append", required=True, metavar="URL",
+    g.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="a worker's base URL (repeatable): kvserve, vLLM or SGLang")
+    g.add_argument("--prefill-worker", action="append", default=[], metavar="URL",
+                   help="disaggregated mode: a `kvserve serve --role prefill` worker "
+                        "(repeatable; chosen by --policy); needs --decode-worker, --admin-key")
+    g.add_argument("--decode-worker", action="append", default=[], metavar="URL",
+                   help="disaggregated mode: a `kvserve serve --role decode` worker "
+                        "(repeatable; chosen by least load)")
     _add_gateway_arguments(g)
     g.set_defaults(func=run_gateway)
 
     u = sub.add_parser("up", help="N local kvserve workers and the gateway, one command")
     u.add_argument("--workers", type=int, default=2, help="number of local workers")
+    u.add_argument("--prefill-workers", type=int, default=0,
+                   help="disaggregated: this many --role prefill workers (with "
+                        "--decode-workers; replaces --workers)")
+    u.add_argument("--decode-workers", type=int, default=0,
+                   help="disaggregated: this many --role decode workers")
+    u.add_argument("--decode-host-tier-bytes", type=int, default=256 << 20,
+                   help="host KV tier of each decode worker, which receives the KV")
     u.add_argument("--model", default=None, help="HF id or local path (default: demo model)")
     u.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for each `kvserve serve` (repeatable)")
@@ -71,13 +89,21 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def run_gateway(args: argparse.Namespace) -> int:
+    if not args.worker and not (args.prefill_worker or args.decode_worker):
+        Console(stderr=True).print("[red]give --worker URL (repeatable), or --prefill-worker "
+                                   "and --decode-worker URLs for disaggregated mode[/]")
+        return 2
     try:
-        app = create_gateway(_settings(args, args.worker))
+        app = create_gateway(_settings(args, args.worker, args.prefill_worker,
+                                       args.decode_worker))
     except ValueError as exc:
         Console(stderr=True).print(f"[red]cannot start: {exc}[/]", soft_wrap=True)
         return 2
     Console(stderr=True).print(f"[green]kvserve gateway[/] ({args.policy}) at "
-                               f"http://{args.host}:{args.port} → {', '.join(args.worker)}",
+                               f"http://{args.host}:{args.port} → "
+                               f"{', '.join(args.worker + args.prefill_worker)}"
+                               + (f" (decode: {', '.join(args.decode_worker)})"
+                                  if args.decode_worker else ""),
                                soft_wrap=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
@@ -91,23 +117,38 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def run_up(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
-    if args.workers < 1:
+    disaggregated = bool(args.prefill_workers or args.decode_workers)
+    if disaggregated and min(args.prefill_workers, args.decode_workers) < 1:
+        console.print("[red]--prefill-workers and --decode-workers go together, each >= 1[/]")
+        return 2
+    if not disaggregated and args.workers < 1:
         console.print("[red]--workers must be at least 1[/]")
         return 2
-    ports = [free_port() for _ in range(args.workers)]
-    threads = max(1, (os.cpu_count() or 1) // args.workers)
+    roles = (["prefill"] * args.prefill_workers + ["decode"] * args.decode_workers
+             if disaggregated else ["both"] * args.workers)
+    if disaggregated and not args.admin_key:
+        args.admin_key = secrets.token_hex(16)  # shared by these workers and the gateway only
+    ports = [free_port() for _ in roles]
+    threads = max(1, (os.cpu_count() or 1) // len(roles))
     procs = []
-    for port in ports:
+    for port, role in zip(ports, roles, strict=True):
         cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port),
-               "--num-threads", str(threads), *args.worker_arg]
+               "--num-threads", str(threads), "--role", role, *args.worker_arg]
+        if role != "both":
+            cmd += ["--admin-key", args.admin_key]
+        if role == "decode":
+            cmd += ["--kv-host-tier-bytes", str(args.decode_host_tier_bytes)]
         if args.model:
             cmd += ["--model", args.model]
         procs.append(subprocess.Popen(cmd))
     urls = [f"http://127.0.0.1:{p}" for p in ports]
+    by_role = {r: [u for u, ur in zip(urls, roles, strict=True) if ur == r]
+               for r in ("both", "prefill", "decode")}
     try:
-        with console.status(f"starting {args.workers} workers …"):
+        with console.status(f"starting {len(roles)} workers …"):
             _wait_healthy(urls, procs, timeout_s=300)
-        app = create_gateway(_settings(args, urls))
+        app = create_gateway(_settings(args, by_role["both"], by_role["prefill"],
+                                       by_role["decode"]))
         gateway_url = f"http://{args.host}:{args.port}"
         console.print(f"[green]kvserve up[/]: gateway ({args.policy}) at [bold]{gateway_url}"
                       f"[/] → {', '.join(urls)}", soft_wrap=True)

@@ -14,12 +14,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.gateway.metrics import GatewayMetrics
-from kvserve.gateway.policies import RouteDecision, RouteRequest, RoutingPolicy
+from kvserve.gateway.policies import (
+    DisaggregatedRouter,
+    RouteDecision,
+    RouteRequest,
+    RoutingPolicy,
+)
 from kvserve.gateway.retry_budget import RetryBudget
 from kvserve.gateway.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
 from kvserve.gateway.worker_pool import WorkerPool
 
 BACKPRESSURE = (429, 503)
+PREFILL_URL_HEADER = "X-KVServe-Prefill-Url"  # read by a decode worker, with the admin key
+ADMIN_KEY_HEADER = "X-KVServe-Admin-Key"
 
 
 class NoWorkerAvailable(Exception):
@@ -66,11 +73,19 @@ class Upstream:
 
 
 class Forwarder:
-    """Routes with `policy` over `pool` and opens upstream responses with `client`."""
+    """Routes with `policy` over `pool` and opens upstream responses with `client`. With
+    `disagg`, the request goes to a decode worker (by load) with a header naming the prefill
+    worker (by prefix) it pulls the prompt's KV from, authenticated with `admin_key`."""
 
     def __init__(self, pool: WorkerPool, policy: RoutingPolicy, client: UpstreamClient,
                  budget: RetryBudget, metrics: GatewayMetrics, policy_name: str,
-                 request_timeout_s: float | None) -> None:
+                 request_timeout_s: float | None, disagg: DisaggregatedRouter | None = None,
+                 admin_key: str | None = None) -> None:
+        if disagg is not None and not admin_key:
+            raise ValueError("disaggregated mode needs --admin-key (the workers' admin key): "
+                             "decode workers honour the prefill worker's URL only with it")
+        self.disagg = disagg
+        self.admin_key = admin_key
         self.pool = pool
         self.policy = policy
         self.client = client
@@ -84,7 +99,17 @@ class Forwarder:
         """The first worker (in ranked order) that accepts the request."""
         now = time.monotonic()
         self.budget.on_request(now)
-        decision = self.policy.route(route, self.pool.views(now))
+        prefill_url: str | None = None
+        if self.disagg is not None:
+            split = self.disagg.route(route, self.pool.views(now))
+            decision, prefill_url = split.decode, split.prefill.worker_id
+            assert self.admin_key is not None
+            headers = {**headers, PREFILL_URL_HEADER: prefill_url,
+                       ADMIN_KEY_HEADER: self.admin_key}
+            self.metrics.requests.labels(prefill_url, f"prefill_{split.prefill.branch}",
+                                         self.policy_name).inc()
+        else:
+            decision = self.policy.route(route, self.pool.views(now))
         candidates = [decision.worker_id] + [u for u in decision.ranked
                                              if u != decision.worker_id]
         payload = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
@@ -103,9 +128,17 @@ class Forwarder:
             # Recorded now, not when the worker answers: a kvserve worker sends its headers
             # with the first token, and a burst of one prefix arriving meanwhile must see where
             # it went (else each finds no holder and the prefix is computed on every worker).
-            self.policy.observe(route, url)
+            if self.disagg is not None and prefill_url is not None:
+                self.disagg.observe(route, prefill_url, url)
+            else:
+                self.policy.observe(route, url)
             if attempt == 0:
                 self.metrics.added_latency.observe(time.monotonic() - started)
+            # The prefill worker is busy with this request until the decode worker answers
+            # (a kvserve worker sends its headers once the KV arrived and a token is out).
+            prefill = self.pool.get(prefill_url) if prefill_url is not None else None
+            if prefill is not None:
+                prefill.in_flight += 1
             try:
                 response = await self.client.post(f"{url}{path}", payload, headers,
                                                   self.read_timeout_s)
@@ -118,6 +151,9 @@ class Forwarder:
             except BaseException:  # cancelled, or a header that cannot be sent: nothing is open
                 worker.in_flight -= 1
                 raise
+            finally:
+                if prefill is not None:
+                    prefill.in_flight -= 1
             if response.status_code in BACKPRESSURE:
                 content: bytes | None = None  # unreadable: the gateway answers for it
                 try:

@@ -35,8 +35,11 @@ class PoolCollector(Collector):
         hit_rate = GaugeMetricFamily("kvserve:gateway_worker_prefix_hit_rate", "The worker's "
                                      "prefix-cache hit rate (its own counters).",
                                      labels=["worker"])
+        role = GaugeMetricFamily("kvserve:gateway_worker_role", "1 for the worker's role: both "
+                                 "(unified), prefill or decode.", labels=["worker", "role"])
         hits = queries = 0.0
         for w in self.pool.workers.values():
+            role.add_metric([w.url, w.role], 1.0)
             healthy.add_metric([w.url], 1.0 if w.healthy else 0.0)
             in_flight.add_metric([w.url], w.in_flight)
             waiting.add_metric([w.url], w.num_waiting)
@@ -44,7 +47,7 @@ class PoolCollector(Collector):
                                 if w.prefix_queries else 0.0)
             hits += w.prefix_hits
             queries += w.prefix_queries
-        yield from (healthy, in_flight, waiting, hit_rate)
+        yield from (role, healthy, in_flight, waiting, hit_rate)
         fleet = GaugeMetricFamily("kvserve:gateway_fleet_prefix_hit_rate", "Prefix-cache hit "
                                   "rate over all workers (achieved).")
         fleet.add_metric([], hits / queries if queries else 0.0)

@@ -17,6 +17,7 @@ class WorkerState:
     """Everything the gateway knows about one worker (mutated on the event loop only)."""
 
     url: str
+    role: str = "both"  # "prefill" / "decode" in disaggregated mode
     healthy: bool = True
     in_flight: int = 0
     num_running: int = 0

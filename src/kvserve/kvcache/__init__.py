@@ -7,7 +7,9 @@ books balance (DESIGN.md, "Invariants of the KV cache"). No torch, numpy, asynci
 from kvserve.kvcache.audit import AuditReport, HostCensus, Violation, ViolationKind
 from kvserve.kvcache.errors import CacheCorruption, UnknownRequest
 from kvserve.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvserve.kvcache.exports import cached_block_ids, prompt_record
 from kvserve.kvcache.host_tier import HostTierCounters, HostTierStats
+from kvserve.kvcache.imports import ImportPlan, ImportState, KVImports, SlotGrant
 from kvserve.kvcache.ledger import LedgerEntry
 from kvserve.kvcache.manager import KVCacheManager
 from kvserve.kvcache.stats import KVCacheCounters, KVCacheStats
@@ -26,15 +28,21 @@ __all__ = [
     "HostCensus",
     "HostTierCounters",
     "HostTierStats",
+    "ImportPlan",
+    "ImportState",
     "KVCacheCounters",
     "KVCacheManager",
     "KVCacheStats",
     "KVEvent",
+    "KVImports",
     "KVTransfers",
     "LedgerEntry",
     "PrefixHit",
     "SlotAllocation",
+    "SlotGrant",
     "UnknownRequest",
     "Violation",
     "ViolationKind",
+    "cached_block_ids",
+    "prompt_record",
 ]

@@ -35,6 +35,7 @@ class ViolationKind(enum.Enum):
     HOST_READABLE_BEFORE_COPY = "host_readable_before_copy"  # READY while its copy is unconfirmed
     HOST_PIN_MISMATCH = "host_pin_mismatch"  # pins != in-flight loads reading the slot
     HOST_LOAD_MISMATCH = "host_load_mismatch"  # an in-flight load's slot or block changed under it
+    IMPORT_LEAK = "import_leak"  # imported KV pinned for a request the engine no longer runs
 
 
 @dataclass(frozen=True, slots=True)

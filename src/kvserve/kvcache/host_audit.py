@@ -2,8 +2,10 @@
 
 Checks the tier's own invariants (conservation of slots, one index per state, LRU keys that
 match their slots' hashes and tokens), that nothing is readable before its copy was confirmed,
-that pins equal the in-flight loads, that every in-flight load still targets the block its
-request holds under the request's own salt, and that no slot is held while the engine is idle.
+that pins equal the in-flight loads plus the imports' pins (kvserve.kvcache.imports), that
+every in-flight load still targets the block its request holds under the request's own salt,
+that an attached import belongs to a live request, and that no slot is held while the engine is
+idle (except by an import whose transfer is still open).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Collection
 from kvserve.kvcache.audit import HostCensus, Violation, ViolationKind
 from kvserve.kvcache.hashing import hash_block
 from kvserve.kvcache.host_tier import SlotState
+from kvserve.kvcache.imports import ImportState, KVImports
 from kvserve.kvcache.ledger import Ledger
 from kvserve.kvcache.transfers import TransferLedger
 
@@ -22,9 +25,13 @@ def audit_host_tier(
     transfers: TransferLedger,
     ledger: Ledger,
     live_request_ids: Collection[str] | None = None,
+    imports: KVImports | None = None,
 ) -> tuple[list[Violation], HostCensus]:
-    """Audit the host tier behind `transfers` against the request `ledger`. Never mutates."""
+    """Audit the host tier behind `transfers` against the request `ledger` and the open
+    `imports`. Never mutates."""
     host = transfers.host
+    import_pins = imports.pins() if imports is not None else Counter[int]()
+    import_reserved = imports.reservations() if imports is not None else {}
     out: list[Violation] = []
 
     def fail(kind: ViolationKind, msg: str, req: str | None = None) -> None:
@@ -77,17 +84,26 @@ def audit_host_tier(
                  f"host slot {sid} is {slot.state.value} at epoch {slot.epoch}, but its copy "
                  f"(epoch {epoch}) is not confirmed: it could be read before the copy completed")
     for slot in host.storing.values():
-        if slot.slot_id not in transfers.stores:
+        if slot.slot_id not in transfers.stores and slot.slot_id not in import_reserved:
             fail(ViolationKind.HOST_TIER_BROKEN,
-                 f"host slot {slot.slot_id} is storing but no copy into it is scheduled")
+                 f"host slot {slot.slot_id} is storing but no copy or import into it is "
+                 "scheduled")
+    for sid, epoch in import_reserved.items():
+        slot = host.slots[sid]
+        if slot.state is not SlotState.STORING or slot.epoch != epoch or sid in transfers.stores:
+            fail(ViolationKind.HOST_READABLE_BEFORE_COPY,
+                 f"host slot {sid} is {slot.state.value} at epoch {slot.epoch}, but an import "
+                 f"reserved it at epoch {epoch} and has not confirmed it")
 
-    # Pins equal the in-flight loads; each load still reads its slot and writes its block.
+    # Pins equal the in-flight loads plus the imports' pins; each load still reads its slot and
+    # writes its block.
     pins = Counter(load.host_slot for load in transfers.loads.values())
     for slot in host.slots:
-        if slot.pin_cnt != pins[slot.slot_id]:
+        sid = slot.slot_id
+        if slot.pin_cnt != pins[sid] + import_pins[sid]:
             fail(ViolationKind.HOST_PIN_MISMATCH,
-                 f"host slot {slot.slot_id} has {slot.pin_cnt} pins but "
-                 f"{pins[slot.slot_id]} in-flight loads read it")
+                 f"host slot {sid} has {slot.pin_cnt} pins but {pins[sid]} in-flight loads "
+                 f"read it and {import_pins[sid]} imports hold it")
         elif slot.pin_cnt and slot.state is not SlotState.READY:
             fail(ViolationKind.HOST_PIN_MISMATCH,
                  f"host slot {slot.slot_id} is pinned by {slot.pin_cnt} loads but is "
@@ -123,12 +139,24 @@ def audit_host_tier(
                  f"host slot {slot.slot_id} was stored under salt {slot.salt!r} but request "
                  f"{rid!r} loads it under salt {record.salt!r}", rid)
 
-    # Idle: nothing may be storing or pinned when no request is live.
+    # An attached import belongs to a live request, or nobody will ever release it.
+    for import_id, imp in (imports.imports.items() if imports is not None else ()):
+        if (live_request_ids is not None and imp.state is ImportState.ATTACHED
+                and import_id not in live_request_ids):
+            fail(ViolationKind.IMPORT_LEAK,
+                 f"import {import_id!r} holds {len(imp.pinned)} host slots for a request that "
+                 "is not live", import_id)
+
+    # Idle: nothing may be storing or pinned when no request is live, except by an open import
+    # (its transfer is still running and owns its slots).
     num_pinned = sum(1 for slot in host.slots if slot.pin_cnt)
-    if live_request_ids is not None and not live_request_ids and (host.storing or num_pinned):
+    open_slots = {sid for imp in (imports.imports.values() if imports is not None else ())
+                  if imp.state is ImportState.OPEN for sid in (*imp.pinned, *imp.reserved)}
+    held = {s.slot_id for s in host.slots if s.pin_cnt or s.state is SlotState.STORING}
+    if live_request_ids is not None and not live_request_ids and held - open_slots:
         fail(ViolationKind.HELD_WHILE_IDLE,
              f"no request is live but {len(host.storing)} host slots are storing and "
-             f"{num_pinned} pinned")
+             f"{num_pinned} pinned ({len(open_slots)} of them by open imports)")
 
     census = HostCensus(host.num_slots, states[SlotState.FREE], states[SlotState.STORING],
                         states[SlotState.READY], num_pinned)

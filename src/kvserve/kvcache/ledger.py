@@ -6,10 +6,11 @@ of block tables in the ledger that list it; the audit checks exactly that.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from kvserve.kvcache.block import KVBlock
+from kvserve.kvcache.errors import CacheCorruption
 from kvserve.kvcache.hashing import ROOT_HASH, TOKEN_WIDTH, chain_hashes, encode_tokens
 
 
@@ -57,6 +58,28 @@ class RequestRecord:
         )
         hashes.extend(new_hashes)
         token_bytes.extend(new_bytes)
+
+    def find_corruption(self, checksums: Mapping[int, int] | None = None) -> CacheCorruption | None:
+        """The first block of the table that is no longer this request's (reassigned: epoch
+        changed; released: refcount 0; or, with `checksums`, other content than the checksum
+        recorded when it was written); None when every block is sound. Read-only."""
+        for block, epoch in zip(self.block_table, self.block_epochs, strict=True):
+            detail = None
+            if block.epoch != epoch:
+                detail = "block was reassigned to other content while this request held it"
+            elif block.ref_cnt <= 0:
+                detail = "block was released while this request still holds it"
+            elif checksums is not None and block.block_id in checksums and (
+                block.checksum is not None and block.checksum != checksums[block.block_id]
+            ):
+                detail = (
+                    f"content checksum {checksums[block.block_id]:#x} differs from the "
+                    f"{block.checksum:#x} recorded when the block was written"
+                )
+            if detail is not None:
+                return CacheCorruption(self.request_id, block.block_id, epoch, block.epoch,
+                                       detail)
+        return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,12 +16,13 @@ from dataclasses import replace
 from kvserve.kvcache.audit import AuditReport, run_audit
 from kvserve.kvcache.block import KVBlock
 from kvserve.kvcache.block_pool import BlockPool
-from kvserve.kvcache.errors import CacheCorruption, UnknownRequest
+from kvserve.kvcache.errors import UnknownRequest
 from kvserve.kvcache.events import KVEvent
 from kvserve.kvcache.hashing import encode_extra_keys
 from kvserve.kvcache.host_audit import audit_host_tier
 from kvserve.kvcache.host_tier import HostSlot, HostTier
 from kvserve.kvcache.idle_check import merge_reports, quick_idle_report
+from kvserve.kvcache.imports import KVImports
 from kvserve.kvcache.ledger import Ledger, LedgerEntry, RequestRecord
 from kvserve.kvcache.publishing import announce, publish, withdraw
 from kvserve.kvcache.stats import KVCacheCounters, KVCacheStats
@@ -52,6 +53,9 @@ class KVCacheManager:
         self.transfers = TransferLedger(HostTier(num_host_slots)) if num_host_slots else None
         self.pool = BlockPool(num_blocks, block_size, self.counters, enable_events=enable_events,
                               on_evict=self.transfers.offload if self.transfers else None)
+        # KV received from a prefill worker lands in the host tier (None without one).
+        self.imports = (KVImports(self.pool, self.transfers.host, model_id, clock)
+                        if self.transfers else None)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.model_id = model_id
@@ -171,6 +175,8 @@ class KVCacheManager:
             self._host.pin(slot)
         new_blocks = self.pool.allocate(num_needed, request_id)
         assert new_blocks is not None, "free count checked above"
+        if is_admission and self.imports is not None:
+            self.imports.release(request_id)  # its loads pin what it needs now
         for block in (*hit_blocks, *new_blocks):
             record.block_table.append(block)
             record.block_epochs.append(block.epoch)
@@ -229,6 +235,8 @@ class KVCacheManager:
     def free(self, request_id: str, reason: FreeReason = FreeReason.FINISHED) -> int:
         """Release everything the request holds; the one path for every ending. Idempotent:
         freeing an unknown or already-freed request does nothing and returns 0."""
+        if self.imports is not None:
+            self.imports.release(request_id)  # ended before admission: imported KV unpinned
         record = self.ledger.pop(request_id)
         if record is None:
             self.counters.redundant_frees += 1
@@ -257,22 +265,9 @@ class KVCacheManager:
         if self.transfers is not None and (corruption := self.transfers.check_loads(request_id)):
             self.counters.corruption_detections += 1
             raise corruption
-        for block, epoch in zip(record.block_table, record.block_epochs, strict=True):
-            detail = None
-            if block.epoch != epoch:
-                detail = "block was reassigned to other content while this request held it"
-            elif block.ref_cnt <= 0:
-                detail = "block was released while this request still holds it"
-            elif checksums is not None and block.block_id in checksums and (
-                block.checksum is not None and block.checksum != checksums[block.block_id]
-            ):
-                detail = (
-                    f"content checksum {checksums[block.block_id]:#x} differs from the "
-                    f"{block.checksum:#x} recorded when the block was written"
-                )
-            if detail is not None:
-                self.counters.corruption_detections += 1
-                raise CacheCorruption(request_id, block.block_id, epoch, block.epoch, detail)
+        if (corruption := record.find_corruption(checksums)) is not None:
+            self.counters.corruption_detections += 1
+            raise corruption
 
     def record_checksum(self, block_id: int, checksum: int) -> None:
         """Remember a checksum of a block's written KV (fed by the model layer, optional)."""
@@ -287,7 +282,7 @@ class KVCacheManager:
         report = run_audit(self.pool, self.ledger, live_request_ids, self.pending)
         if self.transfers is not None:
             host_violations, census = audit_host_tier(self.transfers, self.ledger,
-                                                      live_request_ids)
+                                                      live_request_ids, self.imports)
             report = replace(report, violations=report.violations + tuple(host_violations),
                              host=census)
         self.counters.audit_runs += 1
@@ -315,6 +310,8 @@ class KVCacheManager:
         and requests holding blocks idle for longer than `idle_timeout_s`. Counts the requests
         and blocks reclaimed; returns the reaped request ids."""
         reaped = self.ledger.abandoned(self._clock(), idle_timeout_s, live_request_ids)
+        if self.imports is not None:  # host slots, not blocks: counted as cancelled imports
+            self.imports.reap(self._clock(), idle_timeout_s, live_request_ids)
         for record in reaped:
             self.counters.reclaimed_blocks += self.free(record.request_id, FreeReason.REAPED)
             self.counters.reaped_requests += 1
@@ -353,7 +350,8 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block in both tiers; refused (False) while any block is held or
         any copy between the tiers is unconfirmed."""
-        if self.transfers is not None and not self.transfers.is_idle:
+        busy_imports = self.imports is not None and bool(self.imports.imports)
+        if (self.transfers is not None and not self.transfers.is_idle) or busy_imports:
             return False
         if not self.pool.reset_prefix_cache():
             return False

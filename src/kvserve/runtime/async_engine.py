@@ -9,6 +9,7 @@ blocks through the engine's one free path.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -107,6 +108,11 @@ class AsyncEngine:
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run `fn(engine)` on the engine's thread between steps (e.g. an audit) and return
         its result; the engine is never read while a step mutates it."""
+        return await asyncio.wrap_future(self.submit_call(fn))
+
+    def submit_call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
+        """Queue `fn(engine)` for the engine's thread now (commands run in submission order)
+        and return its future; for callers that must fix the order before they await."""
         if not self.is_running:
             raise EngineDeadError(f"the engine loop is not running ({self.error!r})")
         result: Future[T] = Future()
@@ -118,7 +124,18 @@ class AsyncEngine:
                 result.set_exception(exc)
 
         self._submit(run)
-        return await asyncio.wrap_future(result)
+        return result
+
+    def run_soon(self, fn: Callable[[LLMEngine], object]) -> None:
+        """Queue `fn(engine)` for the engine's thread and do not wait (safe from a cancelled
+        task's cleanup); its result is dropped, an exception is logged by the loop."""
+        self._submit(lambda: self._run_quietly(fn))
+
+    def _run_quietly(self, fn: Callable[[LLMEngine], object]) -> None:
+        try:
+            fn(self.engine)
+        except Exception:
+            logging.getLogger(__name__).exception("engine command failed")
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; applied right after the current step."""

@@ -80,6 +80,9 @@ class LLMEngine:
         self.kv_events = KVEventLog()  # the cache's events, drained every step (routers poll)
         self._outputs: dict[str, RequestOutput] = {}  # live requests by id
         self._child_of: dict[str, tuple[str, int]] = {}  # engine request id -> (id, index)
+        # Called on the engine thread as a request's final output leaves `step`, before the
+        # next step can reuse its freed blocks (a prefill worker copies the KV out then).
+        self._on_finish: dict[str, Callable[[RequestOutput], None]] = {}
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
@@ -136,12 +139,20 @@ class LLMEngine:
         cache_salt: str | None = None,
         deadline: float | None = None,
         arrival_time: float | None = None,
+        kv_import: bool = False,
+        on_finish: Callable[[RequestOutput], None] | None = None,
     ) -> None:
         """Queue a request. Raises ValueError (nothing queued) for an empty or too-long prompt,
-        token ids outside the vocabulary, or a request id already in use."""
+        token ids outside the vocabulary, or a request id already in use. `kv_import`: the
+        request takes over the open KV import of the same id (kvserve.kvcache.imports; n = 1
+        only). `on_finish(output)` runs on the engine thread with the final output."""
         params = params or SamplingParams()
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
+        imports = self.kv_cache.imports
+        if kv_import and (params.n != 1 or imports is None or request_id not in imports.imports):
+            raise ValueError(f"request {request_id!r} has no open KV import to take (n must "
+                             "be 1 and the worker needs a host tier)")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt)
         arrival = self.clock() if arrival_time is None else arrival_time
@@ -168,6 +179,11 @@ class LLMEngine:
             self._child_of[child.request_id] = (request_id, i)
         self._outputs[request_id] = RequestOutput(
             request_id, token_ids, [CompletionOutput(i) for i in range(params.n)], arrival, text)
+        if kv_import:
+            assert imports is not None
+            imports.attach(request_id)
+        if on_finish is not None:
+            self._on_finish[request_id] = on_finish
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt; ids given directly are checked against the vocabulary."""
@@ -212,6 +228,8 @@ class LLMEngine:
             if output.finished:
                 output.finished_time = self.clock()
                 del self._outputs[request_id]
+                if (hook := self._on_finish.pop(request_id, None)) is not None:
+                    hook(output)
         return list(touched.values())
 
     def _apply(self, delta: RequestDelta) -> RequestOutput | None:
@@ -236,6 +254,13 @@ class LLMEngine:
         return output
 
     # -- views ----------------------------------------------------------------------------
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The model runner (its device and host KV tensors)."""
+        runner = self.core.executor
+        assert isinstance(runner, ModelRunner), "an LLMEngine always runs a ModelRunner"
+        return runner
 
     def stats(self) -> EngineStats:
         scheduler = self.core.scheduler

@@ -16,11 +16,16 @@ from kvserve.server.debug import kv_report
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.event_waiters import EventWaiters, wait_for_event
 from kvserve.server.formatting import ChatFormatter, CompletionFormatter
+from kvserve.server.kv_prefill import PrefillRequest, PrefillService
+from kvserve.server.kv_pull import KVPuller
 from kvserve.server.limits import BodySizeLimit, EchoRequestId
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.serving import SSE_DONE, Serving, sse
-from kvserve.server.settings import ServerSettings
+from kvserve.server.settings import ServerSettings, WorkerRole
+
+PREFILL_URL_HEADER = "x-kvserve-prefill-url"
+ADMIN_KEY_HEADER = "x-kvserve-admin-key"
 
 
 def _check_key(request: Request, expected: str | None) -> None:
@@ -42,7 +47,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     model_name = engine.engine.model_name
     tokenizer = engine.engine.tokenizer
     metrics = ServerMetrics(engine, model_name)
-    serving = Serving(engine, model_name, metrics, settings)
+    role = settings.role
+    admin_key = settings.admin_key or settings.api_key
+    puller = (KVPuller(engine, metrics.transfer, admin_key, settings.kv_transfer_timeout_s)
+              if role is WorkerRole.DECODE else None)
+    serving = Serving(engine, model_name, metrics, settings, puller)
+    prefill = PrefillService(engine, metrics.transfer) if role is WorkerRole.PREFILL else None
 
     waiters: list[EventWaiters] = []  # set by the lifespan, on the serving loop
 
@@ -55,6 +65,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         yield
         engine.engine.kv_events.set_listener(None)
         engine.shutdown(drain_timeout_s=settings.drain_timeout_s)
+        if puller is not None:
+            await puller.close()
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
@@ -65,13 +77,40 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         _check_key(request, settings.api_key)
 
     def require_admin_key(request: Request) -> None:
-        _check_key(request, settings.admin_key or settings.api_key)
+        _check_key(request, admin_key)
+
+    def pull_source(raw: Request) -> str | None:
+        """The prefill worker the gateway named for this request, or None. Honoured only on a
+        decode worker and with the admin key (a client can never make a worker fetch)."""
+        url = raw.headers.get(PREFILL_URL_HEADER)
+        if url is None:
+            return None
+        if puller is None:
+            raise APIError(400, f"this worker is --role {role.value}: it does not pull KV; "
+                           "send X-KVServe-Prefill-Url only to --role decode workers")
+        given = raw.headers.get(ADMIN_KEY_HEADER, "")
+        if admin_key is None or not hmac.compare_digest(given.encode(), admin_key.encode()):
+            raise APIError(403, "X-KVServe-Prefill-Url needs the worker's admin key in "
+                           "X-KVServe-Admin-Key (the gateway's --admin-key)",
+                           err_type="permission_error")
+        if not url.startswith(("http://", "https://")):
+            raise APIError(400, f"X-KVServe-Prefill-Url must be an http(s) URL, got {url!r}")
+        return url.rstrip("/")
 
     @app.get("/health")
     async def health() -> Response:
         if engine.is_running:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "engine stopped", "error": repr(engine.error)}, 503)
+            return JSONResponse({"status": "ok", "role": role.value})
+        return JSONResponse({"status": "engine stopped", "error": repr(engine.error),
+                             "role": role.value}, 503)
+
+    @app.post("/kv/prefill", dependencies=[Depends(require_admin_key)])
+    async def kv_prefill(body: PrefillRequest, raw: Request) -> Response:
+        """A prompt's KV as frames (kvserve.server.kv_prefill), on a prefill worker."""
+        if prefill is None:
+            raise APIError(404, f"this worker is --role {role.value}; /kv/prefill is served by "
+                           "--role prefill workers", err_type="not_found_error")
+        return await prefill.respond(body, raw)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -116,14 +155,16 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
             raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
         params = body.sampling_params(body.max_tokens, body.logprobs)
         prompts = body.prompts()
+        pull_from = pull_source(raw)
         call = serving.begin(raw, body.model, body.cache_salt)
         fmt = CompletionFormatter(tokenizer, call.request_id, call.created, model_name,
                                   params.n, body.logprobs is not None)
         if not body.stream:
-            outputs = await serving.collect(raw, call, prompts, params, body.cache_salt)
+            outputs = await serving.collect(raw, call, prompts, params, body.cache_salt,
+                                            pull_from)
             return JSONResponse(fmt.whole(outputs))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = serving.stream(call, prompts, params, body.cache_salt)
+        events = serving.stream(call, prompts, params, body.cache_salt, pull_from)
         first = await _first_or_error(events)
 
         async def body_stream() -> AsyncIterator[str]:
@@ -149,13 +190,15 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         messages = [m.as_template_message() for m in body.messages]
         prompt = tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
                                        tools=body.tools)
+        pull_from = pull_source(raw)
         call = serving.begin(raw, body.model, body.cache_salt)
         fmt = ChatFormatter(tokenizer, call.request_id, call.created, model_name, want_logprobs)
         if not body.stream:
-            (output,) = await serving.collect(raw, call, [prompt], params, body.cache_salt)
+            (output,) = await serving.collect(raw, call, [prompt], params, body.cache_salt,
+                                              pull_from)
             return JSONResponse(fmt.whole(output))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = serving.stream(call, [prompt], params, body.cache_salt)
+        events = serving.stream(call, [prompt], params, body.cache_salt, pull_from)
         first = await _first_or_error(events)
 
         async def body_stream() -> AsyncIterator[str]:

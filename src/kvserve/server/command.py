@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from kvserve.server.settings import ServerSettings
+from kvserve.server.settings import ServerSettings, WorkerRole
 
 if TYPE_CHECKING:  # torch and the engine load only for `serve` itself, not for every command
     from kvserve.runtime import EngineArgs
@@ -76,7 +76,33 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="server deadline per request, seconds (0: none)")
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="on shutdown, seconds to let in-flight requests finish")
+    p.add_argument("--role", choices=[r.value for r in WorkerRole], default="both",
+                   help="disaggregated prefill: 'prefill' also serves /kv/prefill (prompt KV "
+                        "for decode workers), 'decode' pulls a prompt's KV from the prefill "
+                        "worker the gateway names; both need --admin-key, decode a "
+                        "--kv-host-tier-bytes to receive into (default: both, one worker)")
+    p.add_argument("--kv-transfer-timeout", type=float, default=60.0,
+                   help="seconds one KV pull from a prefill worker may take (decode role)")
     p.set_defaults(func=run)
+
+
+def check_role(args: argparse.Namespace) -> None:
+    """Refuse a role without what it needs (ValueError saying how to fix it)."""
+    role = WorkerRole(args.role)
+    if role is WorkerRole.BOTH:
+        return
+    if not args.admin_key:
+        raise ValueError(f"--role {role.value} needs --admin-key (or KVSERVE_ADMIN_KEY): it "
+                         "authenticates the KV transfer between workers and the gateway's "
+                         "X-KVServe-Prefill-Url; give every worker and the gateway the same key")
+    if not args.enable_prefix_caching:
+        raise ValueError(f"--role {role.value} finds a prompt's blocks by their prefix-cache "
+                         "hashes; drop --no-enable-prefix-caching")
+    if role is WorkerRole.DECODE and not args.kv_host_tier_bytes:
+        raise ValueError("--role decode receives KV into the host tier: give "
+                         "--kv-host-tier-bytes (e.g. as many bytes as the device KV cache)")
+    if args.kv_transfer_timeout <= 0:
+        raise ValueError("--kv-transfer-timeout must be positive")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -87,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     try:
+        check_role(args)
         engine_args = engine_args_from(args)
         with console.status(f"loading {args.model or 'the built-in demo model'} …"):
             engine = LLMEngine.from_args(engine_args)
@@ -97,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key, admin_key=args.admin_key,
         max_waiting_requests=args.max_waiting_requests,
         request_timeout_s=args.request_timeout or None, drain_timeout_s=args.drain_timeout,
+        role=WorkerRole(args.role), kv_transfer_timeout_s=args.kv_transfer_timeout,
     )
     app = create_app(AsyncEngine(engine), settings)
     # This process serves one engine for its whole life: freeze what start-up built (the block
@@ -108,12 +136,14 @@ def run(args: argparse.Namespace) -> int:
     url = f"http://{args.host}:{args.port}"
     stats = engine.kv_cache.stats()
     console.print(f"[green]kvserve[/] serving [bold]{engine.model_name}[/] at {url} "
-                  f"({stats.num_blocks} KV blocks of {stats.block_size} tokens)", soft_wrap=True)
+                  f"({stats.num_blocks} KV blocks of {stats.block_size} tokens, role "
+                  f"{args.role})", soft_wrap=True)
     auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
     console.print(f"try: curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
                   f"-d '{{\"model\": \"{engine.model_name}\", \"prompt\": \"Hello\", "
                   f"\"max_tokens\": 16}}'", soft_wrap=True, highlight=False)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per KV pull
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=int(args.drain_timeout) + 1)
     return 0

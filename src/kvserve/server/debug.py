@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from kvserve.kvcache import ImportState
 from kvserve.runtime import LLMEngine
 
 MAX_LISTED = 50
@@ -45,4 +46,13 @@ def kv_report(engine: LLMEngine) -> dict[str, Any]:
         ],
         "block_size": stats.block_size,
         "host_tier": host_tier,
+        "kv_imports": None if kv.imports is None else {
+            "num_open": sum(1 for i in kv.imports.imports.values()
+                            if i.state is ImportState.OPEN),
+            "num_attached": sum(1 for i in kv.imports.imports.values()
+                                if i.state is ImportState.ATTACHED),
+            "num_pinned_slots": sum(kv.imports.pins().values()),
+            "num_reserved_slots": len(kv.imports.reservations()),
+            "num_cancelled": kv.imports.num_cancelled,
+        },
     }

@@ -140,6 +140,46 @@ class EngineCollector(Collector):
             yield counter(name, doc, v)
 
 
+TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                    30.0)
+
+
+class TransferMetrics:
+    """KV moved between workers (disaggregated prefill): blocks and bytes each way, blocks not
+    sent because the decode worker held them, failures by cause, pull time."""
+
+    def __init__(self, reg: CollectorRegistry, model_name: str) -> None:
+        label = ["model_name"]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, label, registry=reg).labels(model_name)
+
+        self.blocks_sent = counter("kvserve:kv_transfer_blocks_sent", "KV blocks sent to decode "
+                                   "workers.")
+        self.bytes_sent = counter("kvserve:kv_transfer_bytes_sent", "KV frame bytes sent.")
+        self.blocks_received = counter("kvserve:kv_transfer_blocks_received", "KV blocks "
+                                       "received from prefill workers and checksum-verified.")
+        self.bytes_received = counter("kvserve:kv_transfer_bytes_received", "KV frame bytes "
+                                      "received.")
+        self.skipped_blocks = counter("kvserve:kv_transfer_skipped_blocks", "Prompt blocks not "
+                                      "transferred: this decode worker already held them.")
+        self.checksum_failures = counter("kvserve:kv_transfer_checksum_failures", "KV frames "
+                                         "whose CRC32 did not match (the request failed).")
+        self.failures = Counter("kvserve:kv_transfer_failures", "KV pulls that failed, by "
+                                "cause.", ["model_name", "cause"], registry=reg)
+        self.seconds = Histogram("kvserve:kv_transfer_seconds", "One KV stream, decode side: "
+                                 "the prefill worker's answer (its KV ready) to the last block "
+                                 "imported.", label, buckets=TRANSFER_BUCKETS,
+                                 registry=reg).labels(model_name)
+        self.pull_seconds = Histogram("kvserve:kv_pull_seconds", "One KV pull, decode side, "
+                                      "end to end: the prefill included.", label,
+                                      buckets=TRANSFER_BUCKETS, registry=reg).labels(model_name)
+        self._model_name = model_name
+
+    def failed(self, cause: str) -> None:
+        self.failures.labels(self._model_name, cause).inc()
+
+
 class ServerMetrics:
     """The app's registry and the per-request observations."""
 
@@ -170,6 +210,7 @@ class ServerMetrics:
                                    "Prompt tokens served from cache, per tenant.",
                                    ["model_name", "tenant"], registry=reg)
         self._tenants: set[str] = set()
+        self.transfer = TransferMetrics(reg, model_name)
 
     def observe_token_gap(self, seconds: float) -> None:
         self.itl.labels(self.model_name).observe(seconds)

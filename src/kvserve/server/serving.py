@@ -19,6 +19,7 @@ from fastapi import Request
 from kvserve.engine import SamplingParams
 from kvserve.runtime import AsyncEngine, RequestOutput
 from kvserve.server.errors import APIError
+from kvserve.server.kv_pull import KVPuller, KVTransferFailed
 from kvserve.server.metrics import ServerMetrics, tenant_label
 from kvserve.server.settings import ServerSettings
 
@@ -48,8 +49,10 @@ class Serving:
         model_name: str,
         metrics: ServerMetrics,
         settings: ServerSettings,
+        puller: KVPuller | None = None,
     ) -> None:
         self.engine = engine
+        self.puller = puller  # decode role: pulls prompt KV from a prefill worker
         self.model_name = model_name
         self.metrics = metrics
         self.settings = settings
@@ -77,10 +80,12 @@ class Serving:
         prompts: Sequence[str | list[int]],
         params: SamplingParams,
         cache_salt: str | None,
+        pull_from: str | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every prompt as they come: (prompt index, output). Raises APIError (429)
         when the server is saturated and ValueError for a prompt the engine refuses, before
-        anything is yielded for it."""
+        anything is yielded for it. With `pull_from` (a prefill worker's URL; n = 1 only),
+        each prompt's KV is pulled from there first; a failed pull is an APIError (502)."""
         # Check and count in one step (no await between): a flood of requests that all passed
         # the route's awaits together must not all be admitted.
         if self.in_flight >= self.capacity:
@@ -99,10 +104,17 @@ class Serving:
         async def pump(idx: int, prompt: str | list[int]) -> None:
             engine_id = f"{call.request_id}-{idx}-{uuid.uuid4().hex[:8]}"
             last = None
+            pull = pull_from is not None and self.puller is not None and params.n == 1
             try:
+                if pull:
+                    assert self.puller is not None and pull_from is not None
+                    try:
+                        prompt = await self.puller.pull(engine_id, prompt, cache_salt, pull_from)
+                    except KVTransferFailed as exc:
+                        raise APIError(502, str(exc), err_type="upstream_error") from None
                 async for output in self.engine.generate(engine_id, prompt, params,
                                                          cache_salt=cache_salt,
-                                                         deadline=deadline):
+                                                         deadline=deadline, kv_import=pull):
                     now = time.monotonic()
                     if last is not None and any(c.new_token_ids for c in output.outputs):
                         self.metrics.observe_token_gap(now - last)
@@ -116,6 +128,9 @@ class Serving:
                 raise
             finally:
                 self.in_flight -= 1
+                if pull:
+                    assert self.puller is not None
+                    self.puller.finish(engine_id)
 
         tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prompts)]
         # Outputs are the engine's live objects, still changing on its thread while read here:
@@ -143,12 +158,13 @@ class Serving:
         prompts: Sequence[str | list[int]],
         params: SamplingParams,
         cache_salt: str | None,
+        pull_from: str | None = None,
     ) -> list[RequestOutput]:
         """Final outputs of every prompt; aborts everything if the client goes away."""
         finals: dict[int, RequestOutput] = {}
 
         async def run() -> None:
-            async for idx, output in self.stream(call, prompts, params, cache_salt):
+            async for idx, output in self.stream(call, prompts, params, cache_salt, pull_from):
                 if output.finished:
                     finals[idx] = output
 

@@ -17,6 +17,7 @@ from kvserve.gateway.policies.base import (
 )
 from kvserve.gateway.policies.block_index import BlockIndex
 from kvserve.gateway.policies.cache_aware import CacheAwarePolicy
+from kvserve.gateway.policies.disaggregated import DisaggregatedRouter, SplitDecision
 from kvserve.gateway.policies.factory import POLICIES, POLICY_NAMES, make_policy
 from kvserve.gateway.policies.least_load import LeastLoadPolicy
 from kvserve.gateway.policies.precise import PrecisePolicy
@@ -34,6 +35,7 @@ __all__ = [
     "BlockIndex",
     "Branch",
     "CacheAwarePolicy",
+    "DisaggregatedRouter",
     "LeastLoadPolicy",
     "NoHealthyWorker",
     "PrecisePolicy",
@@ -42,6 +44,7 @@ __all__ = [
     "RouteDecision",
     "RouteRequest",
     "RoutingPolicy",
+    "SplitDecision",
     "WorkerView",
     "healthy_workers",
     "load_bound",
