@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class PreemptionMode(enum.Enum):
+    """What preemption does with the victim's KV: free it and recompute it on resume, or swap
+    it to the host tier and copy it back on resume (needs a host tier)."""
+
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,12 +21,14 @@ class SchedulerConfig:
     `max_num_batched_tokens` is the token budget of one step (prefill chunks and decodes share
     it); `max_num_seqs` caps running requests; `max_model_len` caps prompt + output.
     `audit_interval_steps > 0` runs the full cache audit every that many steps.
+    `preemption_mode`: recompute (default) or swap (the cache must have a host tier).
     """
 
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int = 4096
     audit_interval_steps: int = 0
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

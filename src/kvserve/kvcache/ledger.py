@@ -6,10 +6,11 @@ of block tables in the ledger that list it; the audit checks exactly that.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from kvserve.kvcache.block import KVBlock
+from kvserve.kvcache.errors import CacheCorruption
 from kvserve.kvcache.hashing import ROOT_HASH, TOKEN_WIDTH, chain_hashes, encode_tokens
 
 
@@ -36,10 +37,35 @@ class RequestRecord:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # served from the prefix cache at admission
     pending_hashes: list[bytes] = field(default_factory=list)  # full blocks being computed
+    # Swapped out (preempted by swapping): the private host slots, (slot id, epoch) in table
+    # order, holding its computed tokens' KV until it is swapped back in.
+    swap_slots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def block_ids(self) -> list[int]:
         return [block.block_id for block in self.block_table]
+
+    def find_corruption(self, checksums: Mapping[int, int] | None = None) -> CacheCorruption | None:
+        """The first block of the table reassigned (epoch changed) or released (refcount 0)
+        under this request, or, with `checksums`, holding content other than the checksum
+        recorded when it was written; None when every block is still its own. Read-only."""
+        for block, epoch in zip(self.block_table, self.block_epochs, strict=True):
+            detail = None
+            if block.epoch != epoch:
+                detail = "block was reassigned to other content while this request held it"
+            elif block.ref_cnt <= 0:
+                detail = "block was released while this request still holds it"
+            elif checksums is not None and block.block_id in checksums and (
+                block.checksum is not None and block.checksum != checksums[block.block_id]
+            ):
+                detail = (
+                    f"content checksum {checksums[block.block_id]:#x} differs from the "
+                    f"{block.checksum:#x} recorded when the block was written"
+                )
+            if detail is not None:
+                return CacheCorruption(self.request_id, block.block_id, epoch, block.epoch,
+                                       detail)
+        return None
 
     def extend_hashes(self, num_full_blocks: int, block_size: int) -> None:
         """Extend the chained block hashes (and token bytes) to cover `num_full_blocks`."""
