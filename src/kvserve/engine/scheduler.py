@@ -88,6 +88,7 @@ class Scheduler:
         self.num_steps = 0
         self.num_preemptions = 0
         self.num_swap_preemptions = 0  # of those, by swapping (the rest recompute)
+        self.num_scheduled_tokens = 0  # tokens whose KV the steps computed (recomputes too)
         self._was_idle = True
 
     # -- admission ------------------------------------------------------------------------
@@ -176,6 +177,7 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
         out.scheduled = self._verified(scheduled, out)
+        self.num_scheduled_tokens += out.num_batched_tokens
         # Taken last: a request that failed verification took its loads with it.
         out.kv_transfers = self.kv_cache.take_transfers()
         self.num_steps += 1

@@ -1,8 +1,9 @@
 """Prefix hits across the tiers: finding the longest cached head, and claiming it safely.
 
 A hit is the request's full prompt blocks found, in order, in the device pool's hash map, then
-among the host tier's READY slots, then among the disk tier's (each tier continues where the one
-above missed: a contiguous head). Finding is read-only; claiming re-checks that every block and
+block by block in the host tier's READY slots or, where the host misses, the disk tier's (the
+host evicts a chain's deepest blocks first, so a chain often continues across both tiers): a
+contiguous head either way. Finding is read-only; claiming re-checks that every block and
 slot still holds the very content, at the very epoch, the lookup saw.
 """
 
@@ -36,11 +37,18 @@ def find_prefix_hit(pool: BlockPool, tiers: TransferLedger | None, pending: Mapp
         hit.append(block)
     host_hit: list[HostSlot] = []
     disk_hit: list[HostSlot] = []
+    from_disk: list[bool] = []
     if tiers is not None:
-        host_hit = tiers.find_hit(record, len(hit), max_blocks, pending)
-        if tiers.disk is not None:
-            disk_hit = tiers.find_hit(record, len(hit) + len(host_hit), max_blocks, pending,
-                                      tiers.disk)
+        for idx in range(len(hit), max_blocks):
+            found = tiers.find_hit(record, idx, idx + 1, pending)
+            if not found and tiers.disk is not None:
+                found = tiers.find_hit(record, idx, idx + 1, pending, tiers.disk)
+                disk_hit += found
+            else:
+                host_hit += found
+            if not found:
+                break
+            from_disk.append(found[0] in disk_hit)
     num_hit = len(hit) + len(host_hit) + len(disk_hit)
     num_pending = 0
     for idx in range(num_hit, max_blocks):
@@ -56,6 +64,7 @@ def find_prefix_hit(pool: BlockPool, tiers: TransferLedger | None, pending: Mapp
         host_epochs=tuple(s.epoch for s in host_hit),
         disk_slots=tuple(s.slot_id for s in disk_hit),
         disk_epochs=tuple(s.epoch for s in disk_hit),
+        from_disk=tuple(from_disk) if disk_hit else (),
     )
 
 
@@ -70,13 +79,18 @@ def claim_prefix_hit(pool: BlockPool, tiers: TransferLedger | None, record: Requ
         raise ValueError(f"request {record.request_id!r}: a prefix hit in a tier this cache "
                          "does not have")
     slots: TierSlots = []
+    epochs = list(hit.epochs)
     if tiers is not None:
-        slots = [(tiers.host.slots[i], LoadSource.HOST) for i in hit.host_slots]
-        if tiers.disk is not None:
-            slots += [(tiers.disk.slots[i], LoadSource.DISK) for i in hit.disk_slots]
+        host = iter(zip(hit.host_slots, hit.host_epochs, strict=True))
+        disk = iter(zip(hit.disk_slots, hit.disk_epochs, strict=True))
+        num_slots = len(hit.host_slots) + len(hit.disk_slots)
+        for is_disk in hit.from_disk or (False,) * num_slots:
+            slot_id, epoch = next(disk if is_disk else host)
+            pool_of = tiers.disk if is_disk and tiers.disk is not None else tiers.host
+            slots.append((pool_of.slots[slot_id], LoadSource.DISK if is_disk else LoadSource.HOST))
+            epochs.append(epoch)
     record.extend_hashes(len(blocks) + len(slots), pool.block_size)
     expected = record.block_hashes[: len(blocks) + len(slots)]
-    epochs = [*hit.epochs, *hit.host_epochs, *hit.disk_epochs]
     if [b.epoch for b in blocks] + [s.epoch for s, _ in slots] != epochs or any(
         b.block_hash != h for b, h in zip(blocks, expected, strict=False)
     ) or any(s.state is not SlotState.READY or s.block_hash != h

@@ -268,8 +268,8 @@ class TransferLedger:
             elif op.host_slot in self.swap_stores:
                 self.host.confirm_private(op.host_slot, self.swap_stores.pop(op.host_slot))
         confirmed = []
-        for load_op in (*transfers.loads, *transfers.disk_loads):
-            load = self.loads.pop(load_op.block_id, None)
+        for block_id in _loaded_blocks(transfers):
+            load = self.loads.pop(block_id, None)
             if load is None:
                 continue
             self._unpin(load, confirmed=True)
@@ -288,8 +288,8 @@ class TransferLedger:
             if op.host_slot in self.stores:
                 self.host.cancel_store(op.host_slot, self.stores.pop(op.host_slot))
         failed = set()
-        for load_op in (*transfers.loads, *transfers.disk_loads):
-            load = self.loads.pop(load_op.block_id, None)
+        for block_id in _loaded_blocks(transfers):
+            load = self.loads.pop(block_id, None)
             if load is not None:
                 self._unpin(load, confirmed=False)
                 failed.add(load.request_id)
@@ -310,3 +310,8 @@ class TransferLedger:
             pool.counters.swapped_in_blocks += 1
         else:
             pool.counters.loads += 1
+
+
+def _loaded_blocks(transfers: KVTransfers) -> list[int]:
+    """The device blocks the step's loads (from either tier) write."""
+    return [op.block_id for op in transfers.loads] + [op.block_id for op in transfers.disk_loads]

@@ -24,6 +24,11 @@ def kv_report(engine: LLMEngine) -> dict[str, Any]:
         "usage": stats.host.usage,
         "counters": asdict(stats.host.counters),
     }
+    disk_tier = None if stats.disk is None else {
+        "census": asdict(report.disk) if report.disk is not None else None,
+        "usage": stats.disk.usage,
+        "counters": asdict(stats.disk.counters),
+    }
     return {
         "audit": {
             "ok": report.ok,
@@ -45,4 +50,5 @@ def kv_report(engine: LLMEngine) -> dict[str, Any]:
         ],
         "block_size": stats.block_size,
         "host_tier": host_tier,
+        "disk_tier": disk_tier,
     }
