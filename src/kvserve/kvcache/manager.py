@@ -123,7 +123,7 @@ class KVCacheManager:
         """
         # Invariant: capacity is checked before any block is touched (all-or-nothing).
         record = self._record(request_id)
-        if record.swap_slots:
+        if record.swap_slots and not record.block_table:
             raise ValueError(f"request {request_id!r} is swapped out; resume it with swap_in")
         hit_blocks: list[KVBlock] = []
         tier_slots: TierSlots = []
@@ -149,7 +149,9 @@ class KVCacheManager:
         is_admission = not record.block_table
         self.pool.touch(hit_blocks, request_id)
         tiers = self.transfers
-        for slot, source in tier_slots:  # pinned before the pool evicts (and offloads) anything
+        # Pinned before the pool evicts (and offloads) anything; deepest first, so the chain's
+        # head is the most recently used and a tier's LRU gives up its tail first.
+        for slot, source in reversed(tier_slots):
             assert tiers is not None, "claimed above"
             tiers.tier(source).pin(slot)
         new_blocks = self.pool.allocate(num_needed, request_id)
@@ -347,9 +349,10 @@ class KVCacheManager:
         assert self.transfers is not None and self.is_swapped(request_id), f"{request_id} swap"
         blocks = start_swap_in(self.pool, self.transfers, self.pending, record, num_new_tokens,
                                self.enable_prefix_caching, self.counters)
+        if blocks is None:
+            return None
         record.last_active = self._clock()
-        return None if blocks is None else SlotAllocation(tuple(b.block_id for b in blocks),
-                                                          record.num_cached_tokens)
+        return SlotAllocation(tuple(b.block_id for b in blocks), record.num_cached_tokens)
 
     # -- copies between the tiers ---------------------------------------------------------
 
