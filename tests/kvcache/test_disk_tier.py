@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.kvcache import FreeReason, KVCacheManager, KVTransfers
+from kvserve.kvcache import CacheCorruption, FreeReason, KVCacheManager, KVTransfers, ViolationKind
 from kvserve.kvcache.host_tier import SlotState
 from kvserve.kvcache.transfers import BlockOffload, DiskLoad, SlotDemotion
 from tests.kvcache.test_host_tier import BS, A, B, assert_clean, run
@@ -116,6 +116,19 @@ def test_a_chain_split_across_host_and_disk_is_one_hit():
     assert (host.counters.loads, disk.counters.loads) == (1, 1)
     m.free("a2")
     assert m.check_idle().ok
+
+
+def test_verify_refuses_a_load_from_a_reassigned_disk_slot():
+    m, transfers = a_demoted_to_disk()
+    m.complete_transfers(transfers)
+    m.commit("c", len(C))
+    m.free("c")
+    m.add_request("a2", A)
+    assert m.allocate_slots("a2", 1, m.lookup("a2")) is not None
+    m.transfers.disk.slots[0].epoch += 1  # as if the slot was handed on under the load
+    with pytest.raises(CacheCorruption, match="disk slot 0"):
+        m.verify("a2")
+    assert ViolationKind.HOST_LOAD_MISMATCH in m.audit().kinds()
 
 
 def test_a_failed_step_undoes_its_demotions():
