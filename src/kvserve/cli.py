@@ -7,7 +7,14 @@ import sys
 from collections.abc import Sequence
 
 from kvserve import __version__
-from kvserve.bench import engine_cli, gateway_cli, kvcache_cli, profile_cli, serve_cli
+from kvserve.bench import (
+    engine_cli,
+    gateway_cli,
+    kvcache_cli,
+    preemption_cli,
+    profile_cli,
+    serve_cli,
+)
 from kvserve.gateway import command as gateway_command
 from kvserve.ops import doctor_command
 from kvserve.server import command as serve_command
@@ -27,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cli.add_parser(benches)
     gateway_cli.add_parser(benches)
     profile_cli.add_parser(benches)
+    preemption_cli.add_parser(benches)
     serve_command.add_parser(commands)
     gateway_command.add_parsers(commands)
     simulate_command.add_parser(commands)
