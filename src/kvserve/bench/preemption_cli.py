@@ -44,7 +44,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--num-kv-blocks", type=int, default=128,
                    help="device KV blocks of 16 tokens (small: forces preemption)")
     p.add_argument("--kv-host-tier-bytes", type=int, default=1 << 28,
-                   help="host tier for swap mode (also given to recompute mode, for its hits)")
+                   help="host tier for swap mode (and for recompute mode, unless told not to)")
+    p.add_argument("--recompute-host-tier", action=argparse.BooleanOptionalAction,
+                   default=True, help="give recompute mode the host tier too (its prefix hits "
+                   "then recover most of a victim's KV)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="one JSON object per mode")
@@ -58,8 +61,10 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     rows, reference = [], None
     for mode in MODES:
+        host_bytes = args.kv_host_tier_bytes if (
+            mode == "swap" or args.recompute_host_tier) else 0
         engine = LLMEngine.from_args(EngineArgs(
-            num_kv_blocks=args.num_kv_blocks, kv_host_tier_bytes=args.kv_host_tier_bytes,
+            num_kv_blocks=args.num_kv_blocks, kv_host_tier_bytes=host_bytes,
             preemption_mode=mode, max_num_seqs=args.num_prompts, num_threads=args.threads))
         for i, prompt in enumerate(prompts):
             engine.add_request(f"p{i}", prompt, params)
