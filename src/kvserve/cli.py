@@ -12,6 +12,7 @@ from kvserve.bench import (
     engine_cli,
     gateway_cli,
     kvcache_cli,
+    preemption_cli,
     profile_cli,
     serve_cli,
 )
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway_cli.add_parser(benches)
     profile_cli.add_parser(benches)
     disagg_cli.add_parser(benches)
+    preemption_cli.add_parser(benches)
     serve_command.add_parser(commands)
     gateway_command.add_parsers(commands)
     simulate_command.add_parser(commands)

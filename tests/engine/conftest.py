@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.engine import EngineCore, RequestDelta, Scheduler, SchedulerConfig
+from kvserve.engine import EngineCore, PreemptionMode, RequestDelta, Scheduler, SchedulerConfig
 from kvserve.kvcache import AuditReport, KVCacheManager
 from tests.engine.toy_model import CharDecoder, PagedToyModel
 
@@ -57,12 +57,15 @@ def make_rig(
     decoder: bool = False,
     num_host_slots: int = 0,
     idle_audit_interval_s: float = 0.0,
+    num_disk_slots: int = 0,
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE,
 ) -> Rig:
     clock = Clock()
-    kv = KVCacheManager(num_blocks, block_size, clock=clock, num_host_slots=num_host_slots)
+    kv = KVCacheManager(num_blocks, block_size, clock=clock, num_host_slots=num_host_slots,
+                        num_disk_slots=num_disk_slots)
     config = SchedulerConfig(budget, max_num_seqs, max_model_len, audit_interval_steps,
-                             idle_audit_interval_s)
-    model = PagedToyModel(num_blocks, block_size, num_host_slots)
+                             idle_audit_interval_s, preemption_mode)
+    model = PagedToyModel(num_blocks, block_size, num_host_slots, num_disk_slots)
     audits: list[AuditReport] = []
     core = EngineCore(Scheduler(config, kv), model, CharDecoder() if decoder else None, clock,
                       on_audit=audits.append)

@@ -33,14 +33,18 @@ def reference_generate(prompt: Sequence[int], max_tokens: int, eos: int | None =
 
 
 class PagedToyModel:
-    """Implements `ModelExecutor` over `num_blocks * block_size` slots, and a host tier of
-    `num_host_slots` blocks that the step's copies move KV to and from (offloads first)."""
+    """Implements `ModelExecutor` over `num_blocks * block_size` slots, and host and disk tiers
+    of `num_host_slots` and `num_disk_slots` blocks that the step's copies move KV to and from
+    (demotions, then offloads, then loads)."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_host_slots: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_host_slots: int = 0,
+                 num_disk_slots: int = 0) -> None:
         self.block_size = block_size
         self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
         self.host: list[list[tuple[int, int] | None]] = [[None] * block_size
                                                          for _ in range(num_host_slots)]
+        self.disk: list[list[tuple[int, int] | None]] = [[None] * block_size
+                                                         for _ in range(num_disk_slots)]
         self.fail_next = False  # the next step raises before it runs anything
         self.num_steps = 0
         self.tokens_computed = 0
@@ -59,12 +63,17 @@ class PagedToyModel:
             raise RuntimeError("the device fell over")
         self.num_steps += 1
         bs = self.block_size
+        for demotion in output.kv_transfers.demotions:
+            self.disk[demotion.disk_slot] = list(self.host[demotion.host_slot])
         for offload in output.kv_transfers.offloads:
             start = offload.block_id * bs
             self.host[offload.host_slot] = self.slots[start : start + bs]
         for load in output.kv_transfers.loads:
             start = load.block_id * bs
             self.slots[start : start + bs] = self.host[load.host_slot]
+        for disk_load in output.kv_transfers.disk_loads:
+            start = disk_load.block_id * bs
+            self.slots[start : start + bs] = self.disk[disk_load.disk_slot]
         sampled = {}
         for item in output.scheduled:
             for j, token in enumerate(item.token_ids):

@@ -106,9 +106,10 @@ class Engine:
     in chunks, decodes, frees, and after each step runs the checks a real engine runs. With a
     host tier, a step's copies run (and are confirmed) before its KV is committed."""
 
-    def __init__(self, num_blocks: int, num_host_slots: int = 0) -> None:
+    def __init__(self, num_blocks: int, num_host_slots: int = 0, num_disk_slots: int = 0) -> None:
         self.clock = FakeClock()
-        self.mgr = KVCacheManager(num_blocks, BS, clock=self.clock, num_host_slots=num_host_slots)
+        self.mgr = KVCacheManager(num_blocks, BS, clock=self.clock, num_host_slots=num_host_slots,
+                                  num_disk_slots=num_disk_slots)
         self.live: set[str] = set()
         self.all_or_nothing: list[str] = []
         self.tokens: dict[str, list[int]] = {}

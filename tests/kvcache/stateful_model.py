@@ -3,9 +3,10 @@
 The model is what an engine knows: its live requests, the ones it forgot (leaks), the hits it
 stashed, what each tenant has written and committed, and the cache as an external indexer sees
 it from the KV events. With a host tier, a commit means the step ran: its copies between the
-tiers are confirmed first, as the engine does. Its steps (`allocate`, `commit`) check each
-call's contract; its `check_*` methods are the invariants the state machine asserts after
-every step.
+tiers are confirmed first, as the engine does. With swapping, a swapped-out request holds no
+block, only host slots private to it, until it is swapped back in. Its steps (`allocate`,
+`commit`) check each call's contract; its `check_*` methods are the invariants the state
+machine asserts after every step.
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ def snapshot(manager: KVCacheManager) -> dict[str, object]:
     stats = manager.stats()
     counters = replace(stats.counters, redundant_frees=0)
     host = manager.transfers.host if manager.transfers else None
+    disk = manager.transfers.disk if manager.transfers else None
     return {
-        "host_slots": host and [(s.state, s.epoch, s.pin_cnt, s.block_hash) for s in host.slots],
+        "host_slots": host and [(s.state, s.epoch, s.pin_cnt, s.block_hash, s.owner)
+                                for s in host.slots],
         "host_lru": host and host.lru_slot_ids(),
+        "disk_slots": disk and [(s.state, s.epoch, s.pin_cnt, s.block_hash) for s in disk.slots],
+        "disk_lru": disk and disk.lru_slot_ids(),
         "refcounts": [b.ref_cnt for b in pool.blocks],
         "epochs": [b.epoch for b in pool.blocks],
         "hashes": [b.block_hash for b in pool.blocks],
@@ -47,7 +52,8 @@ def snapshot(manager: KVCacheManager) -> dict[str, object]:
         "hash_map": {key: b.block_id for key, b in pool.cached.items()},
         "stats": replace(stats, counters=counters),
         "ledger": {
-            r.request_id: (tuple(r.block_ids), r.num_computed_tokens, r.last_active)
+            r.request_id: (tuple(r.block_ids), r.num_computed_tokens, r.last_active,
+                           tuple(r.swap_slots))
             for r in manager.ledger
         },
     }
@@ -68,16 +74,18 @@ class Req:
     admitted: bool = False
     computed: int = 0  # tokens whose KV is written (committed)
     scheduled: int = 0  # tokens with slots
+    swapped: bool = False  # swapped out: no blocks, its KV in private host slots
 
 
 class EngineModel:
     """The engine's record of its requests next to the cache it drives; checks them against
     each other. It never decides what happens next: the state machine does."""
 
-    def __init__(self, num_blocks: int, block_size: int, num_host_slots: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_host_slots: int = 0,
+                 num_disk_slots: int = 0) -> None:
         self.clock = FakeClock()
         self.mgr = KVCacheManager(num_blocks, block_size, clock=self.clock, enable_events=True,
-                                  num_host_slots=num_host_slots)
+                                  num_host_slots=num_host_slots, num_disk_slots=num_disk_slots)
         self.num_blocks, self.bs = num_blocks, block_size
         self.live: dict[str, Req] = {}
         self.abandoned: dict[str, Req] = {}  # the engine forgot them; the cache still holds them
@@ -99,12 +107,24 @@ class EngineModel:
 
     def prefilling(self) -> list[str]:
         """Admitted requests with prompt (or refused decode) tokens still to compute."""
-        return [rid for rid, r in self.live.items() if r.admitted and r.computed < len(r.tokens)]
+        return [rid for rid, r in self.live.items()
+                if r.admitted and not r.swapped and r.computed < len(r.tokens)]
 
     def decoding(self) -> list[str]:
         """Admitted requests whose every token is computed: ready for the next one."""
-        return [rid for rid, r in self.live.items() if r.admitted and r.computed == len(r.tokens)]
+        return [rid for rid, r in self.live.items()
+                if r.admitted and not r.swapped and r.computed == len(r.tokens)]
 
+    def swapped(self, resumable: bool = False) -> list[str]:
+        """Swapped-out live requests (`resumable`: their swap-out copies are confirmed)."""
+        transfers = self.mgr.transfers
+        return [rid for rid, r in self.live.items() if r.swapped and not (
+            resumable and transfers is not None and any(
+                slot_id in transfers.swap_stores
+                for slot_id, _ in self.mgr.ledger.get(rid).swap_slots))]
+
+    def num_blocks_held(self, req: Req) -> int:
+        return 0 if req.swapped else self.num_blocks_for(req.scheduled)
     def touch(self, req: Req) -> None:
         req.last_active = self.clock.now
 
@@ -132,6 +152,14 @@ class EngineModel:
             self.live.pop(rid, None)
             self.abandoned.pop(rid, None)
             self.stash.pop(rid, None)
+        for requests in (self.live, self.abandoned):
+            for rid, req in list(requests.items()):
+                if req.swapped and not self.mgr.has_request(rid):  # its swap-out was lost
+                    event("failed step lost a swap-out: recompute")
+                    del requests[rid]
+                    if requests is self.live:  # the engine queues it again, all tokens kept
+                        self.mgr.add_request(rid, req.tokens, cache_salt=req.salt)
+                        self.live[rid] = Req(list(req.tokens), req.salt, self.clock.now)
 
     def commit(self, rid: str, upto: int) -> None:
         req = self.live[rid]
@@ -167,7 +195,7 @@ class EngineModel:
     def check_hit(self, rid: str, hit: PrefixHit) -> None:
         req, pool = self.live[rid], self.mgr.pool
         num_device = len(hit.block_ids)
-        num = num_device + len(hit.host_slots)
+        num = num_device + len(hit.host_slots) + len(hit.disk_slots)
         assert hit.num_tokens == num * self.bs and len(hit.epochs) == num_device
         assert hit.num_tokens < len(req.tokens), "the hit must leave a prompt token to compute"
         assert list(hit.epochs) == [pool.blocks[b].epoch for b in hit.block_ids]
@@ -176,6 +204,13 @@ class EngineModel:
             assert list(hit.host_epochs) == [host.slots[s].epoch for s in hit.host_slots]
             assert all(host.slots[s].salt == req.salt for s in hit.host_slots)
             event("host tier hit")
+        if hit.disk_slots:
+            disk = self.mgr.transfers.disk
+            assert list(hit.disk_epochs) == [disk.slots[s].epoch for s in hit.disk_slots]
+            assert all(disk.slots[s].salt == req.salt for s in hit.disk_slots)
+            assert len(hit.from_disk) == num - num_device
+            assert sum(hit.from_disk) == len(hit.disk_slots)
+            event("disk tier hit")
         for k in range(1, num + 1):
             key = (req.salt, tuple(req.tokens[: k * self.bs]))
             assert key in self.written, (
@@ -203,8 +238,15 @@ class EngineModel:
         assert census == self.num_blocks, report.describe()
         if report.host is not None:
             host = report.host
-            assert host.num_free + host.num_storing + host.num_ready == host.num_slots
+            assert (host.num_free + host.num_storing + host.num_ready + host.num_swapped
+                    == host.num_slots)
             assert stats.host is not None and stats.host.num_ready_slots == host.num_ready
+            swap_slots = sum(len(r.swap_slots) for r in mgr.ledger)
+            assert host.num_swapped == stats.host.num_swapped_slots == swap_slots
+        if report.disk is not None:
+            disk = report.disk
+            assert disk.num_free + disk.num_storing + disk.num_ready == disk.num_slots
+            assert stats.disk is not None and stats.disk.num_ready_slots == disk.num_ready
         assert stats.num_free_blocks == report.num_free_uncached + report.num_free_cached
         assert stats.num_cached_free_blocks == report.num_free_cached
         assert stats.num_held_blocks == report.num_held
@@ -220,7 +262,10 @@ class EngineModel:
         for imp in imports.imports.values() if imports is not None else ():
             if imp.state is ImportState.OPEN:  # its transfer is still running: not idle-held
                 held_slots -= {*imp.pinned, *imp.reserved}
-        held_while_idle = not self.live and (report.num_held > 0 or bool(held_slots))
+        disk = report.disk
+        disk_held = disk is not None and (disk.num_storing > 0 or disk.num_pinned > 0)
+        held_while_idle = not self.live and (report.num_held > 0 or bool(held_slots)
+                                             or disk_held)
         expected = {ViolationKind.LEAK} if self.abandoned else set()
         expected |= {ViolationKind.HELD_WHILE_IDLE} if held_while_idle else set()
         if imports is not None and any(
@@ -233,7 +278,11 @@ class EngineModel:
         for rid, req in {**self.live, **self.abandoned}.items():
             self.mgr.verify(rid)
             assert self.mgr.num_computed_tokens(rid) == req.computed
-            assert len(self.mgr.block_table(rid)) == self.num_blocks_for(req.scheduled)
+            assert len(self.mgr.block_table(rid)) == self.num_blocks_held(req)
+            assert self.mgr.is_swapped(rid) is req.swapped
+            if req.swapped:
+                swap_slots = self.mgr.ledger.get(rid).swap_slots
+                assert len(swap_slots) == self.num_blocks_for(req.computed)
 
     def check_kv_events(self) -> None:
         for kv_event in self.mgr.drain_events():

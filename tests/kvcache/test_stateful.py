@@ -26,6 +26,7 @@ from hypothesis.stateful import (
 )
 
 from kvserve.kvcache import FreeReason, PrefixHit
+from kvserve.kvcache.host_tier import SlotState
 
 # The model's checks are plain asserts: have pytest show their operands, as it does here.
 from tests.kvcache.stateful_model import (
@@ -142,11 +143,9 @@ class KVCacheMachine(RuleBasedStateMachine):
     def admit_with_stashed_hit(self, data: st.DataObject) -> None:
         rid = self._pick(data, self.model.stashed())
         hit = self.model.stash.pop(rid)
-        pool, transfers = self.model.mgr.pool, self.model.mgr.transfers
-        host_is_stale = transfers is not None and hit.host_slots and not transfers.host.is_fresh(
-            [transfers.host.slots[s] for s in hit.host_slots], hit.host_epochs,
-            self.model.mgr.ledger.get(rid).block_hashes[len(hit.block_ids) :])
-        if [pool.blocks[b].epoch for b in hit.block_ids] != list(hit.epochs) or host_is_stale:
+        pool = self.model.mgr.pool
+        if [pool.blocks[b].epoch for b in hit.block_ids] != list(hit.epochs) or (
+                self._tier_hit_is_stale(rid, hit)):
             before = snapshot(self.model.mgr)
             num_new = len(self.model.live[rid].tokens) - hit.num_tokens
             with pytest.raises(ValueError, match="stale prefix hit"):
@@ -157,6 +156,23 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         self.model.check_hit(rid, hit)
         self._admit_with(data, rid, hit)
+
+    def _tier_hit_is_stale(self, rid: str, hit: PrefixHit) -> bool:
+        """Whether a host or disk slot of the hit no longer holds its block at its epoch."""
+        transfers = self.model.mgr.transfers
+        if transfers is None:
+            return False
+        hashes = self.model.mgr.ledger.get(rid).block_hashes[len(hit.block_ids) :]
+        host = iter(zip(hit.host_slots, hit.host_epochs, strict=True))
+        disk = iter(zip(hit.disk_slots, hit.disk_epochs, strict=True))
+        order = hit.from_disk or (False,) * len(hit.host_slots)
+        for block_hash, is_disk in zip(hashes, order, strict=False):
+            slot_id, epoch = next(disk if is_disk else host)
+            slot = (transfers.disk if is_disk else transfers.host).slots[slot_id]
+            if slot.state is not SlotState.READY or slot.epoch != epoch or (
+                    slot.block_hash != block_hash):
+                return True
+        return False
 
     @precondition(lambda self: self.model.prefilling())
     @rule(data=st.data())
@@ -189,7 +205,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.model.stash.pop(rid, None)
         mgr = self.model.mgr
         by_reason = mgr.stats().counters.frees_by_reason.get(reason, 0)
-        assert mgr.free(rid, reason) == self.model.num_blocks_for(req.scheduled)
+        assert mgr.free(rid, reason) == self.model.num_blocks_held(req)
         assert not mgr.has_request(rid)
         assert mgr.stats().counters.frees_by_reason[reason] == by_reason + 1
         if twice:
@@ -224,7 +240,8 @@ class KVCacheMachine(RuleBasedStateMachine):
         expected = {rid for rid in self.model.abandoned if tell_live} | {
             rid
             for rid, r in {**self.model.live, **self.model.abandoned}.items()
-            if timeout is not None and r.scheduled and now - r.last_active > timeout
+            if timeout is not None and r.scheduled and not r.swapped
+            and now - r.last_active > timeout
         }
         reclaimed = sum(len(mgr.block_table(rid)) for rid in expected)
         before = mgr.stats().counters
@@ -258,7 +275,8 @@ class KVCacheMachine(RuleBasedStateMachine):
     def reset_prefix_cache(self) -> None:
         transfers, imports = self.model.mgr.transfers, self.model.mgr.imports
         is_idle = self.model.mgr.stats().num_held_blocks == 0 and (
-            transfers is None or transfers.is_idle) and not (imports and imports.imports)
+            transfers is None or (transfers.is_idle and not transfers.host.private)
+        ) and not (imports and imports.imports)
         assert self.model.mgr.reset_prefix_cache() is is_idle
         if is_idle:
             assert not self.model.mgr.pool.cached
@@ -393,3 +411,78 @@ class HostTierMachine(KVCacheMachine):
 
 HostTierMachine.TestCase.settings = settings(KVCacheMachine.TestCase.settings, max_examples=150)
 TestHostTierMachine = HostTierMachine.TestCase
+
+
+class DiskAndSwapMachine(HostTierMachine):
+    """The host-tier engine with a disk tier under the host tier (what the host evicts goes
+    there, and hits load from it), and preemption by swapping: running requests are swapped
+    out to private host slots (or refused, when the host has no room) and swapped back in."""
+
+    @initialize(
+        num_blocks=st.integers(6, 14),
+        block_size=st.integers(2, 3),
+        num_host_slots=st.integers(1, 6),  # small: the disk tier sees much of the traffic
+        num_disk_slots=st.integers(1, 16),
+    )
+    def setup(self, num_blocks: int, block_size: int, num_host_slots: int,
+              num_disk_slots: int) -> None:
+        self._model = EngineModel(num_blocks, block_size, num_host_slots, num_disk_slots)
+
+    def _swappable(self) -> list[str]:
+        return [rid for rid in (*self.model.prefilling(), *self.model.decoding())
+                if self.model.live[rid].computed > 0]
+
+    @precondition(lambda self: self._swappable())
+    @rule(data=st.data())
+    def swap_out(self, data: st.DataObject) -> None:
+        """Preempt by swapping: all or nothing; a refusal changes nothing but its count."""
+        model = self.model
+        rid = self._pick(data, self._swappable())
+        req, mgr = model.live[rid], model.mgr
+        host, transfers = mgr.transfers.host, mgr.transfers
+        need = model.num_blocks_for(req.computed)
+        room = len(host.free_ids) + sum(1 for s in host.lru.values() if s.pin_cnt == 0)
+        fits = need <= room and not transfers.loads_of(rid)
+        before, fallbacks = snapshot(mgr), mgr.stats().counters.swap_fallbacks
+        num_private = len(host.private)
+        assert mgr.swap_out(rid) is fits
+        if not fits:
+            event("swap refused: recompute")
+            assert mgr.stats().counters.swap_fallbacks == fallbacks + 1
+            after = snapshot(mgr)
+            after["stats"] = before["stats"]  # only the fallback counter moved
+            assert_unchanged(before, after, f"a refused swap_out({rid!r})")
+            return
+        event("swapped out")
+        assert len(host.private) == num_private + need and mgr.is_swapped(rid)
+        assert mgr.block_table(rid) == [] and mgr.num_computed_tokens(rid) == req.computed
+        req.swapped, req.scheduled = True, req.computed
+        model.stash.pop(rid, None)
+        if data.draw(st.booleans(), label="step now"):
+            model.run_step()
+
+    @precondition(lambda self: self.model.swapped(resumable=True))
+    @rule(data=st.data())
+    def swap_in(self, data: st.DataObject) -> None:
+        """Resume a swapped-out request: all or nothing; its KV is back once the step ran."""
+        model = self.model
+        rid = self._pick(data, model.swapped(resumable=True))
+        req, mgr = model.live[rid], model.mgr
+        num_new = data.draw(st.integers(0, len(req.tokens) - req.computed), label="new")
+        before = snapshot(mgr)
+        if mgr.swap_in(rid, num_new) is None:
+            event("swap-in refused")
+            assert model.num_blocks_for(req.computed + num_new) > mgr.pool.num_free_blocks
+            assert_unchanged(before, snapshot(mgr), f"a refused swap_in({rid!r})")
+            return
+        event("swapped in")
+        req.swapped, req.scheduled = False, req.computed + num_new
+        model.touch(req)
+        assert len(mgr.block_table(rid)) == model.num_blocks_for(req.scheduled)
+        if data.draw(st.booleans(), label="step now"):
+            model.commit(rid, data.draw(st.integers(req.computed, req.scheduled), label="upto"))
+
+
+DiskAndSwapMachine.TestCase.settings = settings(KVCacheMachine.TestCase.settings,
+                                                max_examples=250)
+TestDiskAndSwapMachine = DiskAndSwapMachine.TestCase

@@ -1,7 +1,7 @@
 """kvserve.engine — requests, sampling parameters, the scheduler and the engine step, in pure
 Python (imports kvserve.kvcache only; no torch, numpy or HTTP)."""
 
-from kvserve.engine.config import SchedulerConfig
+from kvserve.engine.config import PreemptionMode, SchedulerConfig
 from kvserve.engine.core import EngineCore, ModelExecutor, RequestDelta, SampledToken
 from kvserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from kvserve.engine.request import FinishReason, Request, RequestStatus, TokenLogprob
@@ -13,6 +13,7 @@ __all__ = [
     "FinishReason",
     "IncrementalDetokenizer",
     "ModelExecutor",
+    "PreemptionMode",
     "Request",
     "RequestDelta",
     "RequestStatus",

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class PreemptionMode(enum.Enum):
+    """What preemption does with the victim's KV: free it and recompute it on resume, or swap
+    it to the host tier and copy it back on resume (needs a host tier)."""
+
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
 
 
 @dataclass(frozen=True, slots=True)
@@ -15,6 +24,7 @@ class SchedulerConfig:
     Whenever the engine drains, the idle check runs (O(live), from the cache's counts); the full
     audit runs on a drain too when at least `idle_audit_interval_s` seconds passed since the last
     one it ran on a drain (0: on every drain).
+    `preemption_mode`: recompute (default) or swap (the cache must have a host tier).
     """
 
     max_num_batched_tokens: int = 2048
@@ -22,6 +32,7 @@ class SchedulerConfig:
     max_model_len: int = 4096
     audit_interval_steps: int = 0
     idle_audit_interval_s: float = 0.0
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

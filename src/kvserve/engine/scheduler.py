@@ -3,7 +3,9 @@
 There are no prefill and decode phases: each request's `num_computed_tokens` catches up with its
 `num_tokens` under one token budget per step. Running requests go first (oldest first), then
 waiting ones in arrival order. When blocks run out, the most recently admitted running request is
-preempted (its blocks freed, its KV recomputed later; its cached prefix blocks stay hit-able).
+preempted: by recompute (its blocks freed, its KV recomputed later; its cached prefix blocks stay
+hit-able) or, in swap mode, by swapping (its KV copied to host slots private to it and back when
+it resumes, nothing recomputed; recompute when the host tier has no room).
 With a host tier, each step also carries the copies between the tiers its allocations need
 (`SchedulerOutput.kv_transfers`), confirmed in `commit_step` or undone in `abandon_step`.
 """
@@ -14,7 +16,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvserve.engine.config import SchedulerConfig
+from kvserve.engine.config import PreemptionMode, SchedulerConfig
 from kvserve.engine.request import FinishReason, Request, RequestStatus
 from kvserve.kvcache import AuditReport, CacheCorruption, FreeReason, KVCacheManager, KVTransfers
 
@@ -75,6 +77,9 @@ class Scheduler:
     """Continuous batching over a `KVCacheManager`. Single-threaded: the step loop owns it."""
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        if config.preemption_mode is PreemptionMode.SWAP and kv_cache.transfers is None:
+            raise ValueError("swap preemption copies KV to the host tier, but the cache has "
+                             "none; add a host tier or use preemption_mode=recompute")
         self.config = config
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
@@ -82,6 +87,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0  # of those, by swapping (the rest recompute)
+        self.num_scheduled_tokens = 0  # tokens whose KV the steps computed (recomputes too)
         self._was_idle = True
         self._last_idle_audit: float | None = None  # when a drain last ran the full audit
 
@@ -143,6 +150,13 @@ class Scheduler:
                 break
             request = self.waiting[0]
             kv = self.kv_cache
+            if kv.is_swapped(request.request_id):
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                if kv.swap_in(request.request_id, num_new) is None:
+                    break  # first come, first served, swapped-out requests included
+                self._admit(request, num_new, scheduled)
+                budget -= num_new
+                continue
             if not kv.has_request(request.request_id):
                 kv.add_request(request.request_id, request.all_token_ids,
                                cache_salt=request.cache_salt)
@@ -156,17 +170,15 @@ class Scheduler:
             num_new = min(request.num_tokens - hit.num_tokens, budget)
             if kv.allocate_slots(request.request_id, num_new, hit) is None:
                 break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
             request.num_computed_tokens = hit.num_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit.num_tokens
-            self.running.append(request)
-            scheduled.append(self._scheduled(request, num_new))
+            self._admit(request, num_new, scheduled)
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
         out.scheduled = self._verified(scheduled, out)
+        self.num_scheduled_tokens += out.num_batched_tokens
         # Taken last: a request that failed verification took its loads with it.
         out.kv_transfers = self.kv_cache.take_transfers()
         self.num_steps += 1
@@ -183,10 +195,23 @@ class Scheduler:
                 return False
         return True
 
+    def _admit(self, request: Request, num_new: int, scheduled: list[ScheduledRequest]) -> None:
+        """The head of the queue got its slots: it runs from this step on."""
+        self.waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        scheduled.append(self._scheduled(request, num_new))
+
     def _preempt(self, request: Request) -> None:
-        self.kv_cache.free(request.request_id, FreeReason.PREEMPTED)
+        # A swapped-out request keeps its computed tokens (a waiting request with computed
+        # tokens is swapped out); otherwise they are recomputed.
+        if (self.config.preemption_mode is PreemptionMode.SWAP
+                and self.kv_cache.swap_out(request.request_id)):
+            self.num_swap_preemptions += 1
+        else:
+            self.kv_cache.free(request.request_id, FreeReason.PREEMPTED)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -237,12 +262,16 @@ class Scheduler:
     def abandon_step(self, output: SchedulerOutput, error: str) -> list[Request]:
         """The model failed to run `output`: its copies between the tiers are undone (nothing
         half-copied becomes readable) and the requests whose loaded KV is missing are ended
-        with an error. Returns them; other requests recompute the step's tokens later."""
+        with an error. Returns them; other requests recompute the step's tokens later (a
+        request it was swapping out recomputes all of them)."""
         failed = self.kv_cache.cancel_transfers(output.kv_transfers)
         ended = [item.request for item in output.scheduled
                  if item.request.request_id in failed and not item.request.is_finished]
         for request in ended:
             self.finish(request, FinishReason.ERROR, error=error)
+        for request in self.waiting:  # a swap-out the step carried is lost: recompute
+            if request.num_computed_tokens and not self.kv_cache.has_request(request.request_id):
+                request.num_computed_tokens = 0
         return ended
 
     def append_token(self, request: Request, token_id: int) -> None:

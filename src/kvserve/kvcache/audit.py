@@ -36,6 +36,7 @@ class ViolationKind(enum.Enum):
     HOST_PIN_MISMATCH = "host_pin_mismatch"  # pins != in-flight loads reading the slot
     HOST_LOAD_MISMATCH = "host_load_mismatch"  # an in-flight load's slot or block changed under it
     IMPORT_LEAK = "import_leak"  # imported KV pinned for a request the engine no longer runs
+    SWAP_MISMATCH = "swap_mismatch"  # a request's swap slot is not private to it at its epoch
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,19 +51,20 @@ class Violation:
 
 @dataclass(frozen=True, slots=True)
 class HostCensus:
-    """The host tier's slots by state, as the audit counted them."""
+    """A tier's (host or disk) slots by state, as the audit counted them."""
 
     num_slots: int
     num_free: int
     num_storing: int
     num_ready: int
     num_pinned: int
+    num_swapped: int = 0  # private to swapped-out requests (SWAPPING or SWAPPED)
 
 
 @dataclass(frozen=True, slots=True)
 class AuditReport:
-    """The audit's findings and the block census it was based on (`host`: the host tier's
-    census, None without one)."""
+    """The audit's findings and the block census it was based on (`host`, `disk`: the tiers'
+    censuses, None without them)."""
 
     num_blocks: int
     num_free_uncached: int
@@ -71,6 +73,7 @@ class AuditReport:
     num_live_requests: int
     violations: tuple[Violation, ...] = field(default_factory=tuple)
     host: HostCensus | None = None
+    disk: HostCensus | None = None
 
     @property
     def ok(self) -> bool:
@@ -88,7 +91,12 @@ class AuditReport:
         if self.host is not None:
             h = self.host
             head += (f"; host tier: {h.num_ready} ready ({h.num_pinned} pinned), "
-                     f"{h.num_storing} storing, {h.num_free} free of {h.num_slots} slots")
+                     f"{h.num_storing} storing, {h.num_swapped} swap, {h.num_free} free of "
+                     f"{h.num_slots} slots")
+        if self.disk is not None:
+            d = self.disk
+            head += (f"; disk tier: {d.num_ready} ready ({d.num_pinned} pinned), "
+                     f"{d.num_storing} storing, {d.num_free} free of {d.num_slots} slots")
         lines = [head] + [f"  {v.kind.value}: {v.message}" for v in self.violations]
         return "\n".join(lines if self.violations else [head + "; ok"])
 

@@ -1,40 +1,46 @@
-"""The host tier: a bounded pool of host-memory KV slots under the device block pool.
+"""A tier under the device block pool: a bounded pool of KV slots (host memory, or a file).
 
+The host tier and the disk tier below it are both a `SlotPool` (`HostTier` is its old name).
 Pure bookkeeping, like the block pool: it decides which slot holds which block's KV, never
-touches a tensor. A slot is FREE, STORING (a device->host copy is scheduled but not yet
-confirmed: never readable) or READY (readable, in an LRU keyed by block hash). A READY slot
-may be pinned by in-flight loads; a pinned slot is never evicted. free + storing + ready = the
-number of slots, always.
+touches a tensor. A slot is FREE, STORING (a copy into it is scheduled but not yet confirmed:
+never readable) or READY (readable, in an LRU keyed by block hash). A READY slot may be pinned
+by in-flight loads; a pinned slot is never evicted. A slot may also be private to one request
+that was preempted by swapping (SWAPPING while its copy runs, then SWAPPED): never hit-able by
+another request, never evicted. free + storing + ready + private = the number of slots, always.
 """
 
 from __future__ import annotations
 
 import enum
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 
 class SlotState(enum.Enum):
-    """Where a host slot is in its life: FREE -> STORING -> READY -> (evicted) STORING ..."""
+    """Where a slot is in its life: FREE -> STORING -> READY -> (evicted) STORING ..., or, for
+    a swapped-out request, FREE -> SWAPPING -> SWAPPED -> FREE."""
 
     FREE = "free"
     STORING = "storing"  # a copy into it is scheduled; its content is not readable yet
     READY = "ready"  # holds a block's KV; hit-able through the LRU
+    SWAPPING = "swapping"  # a swapped-out request's block is being copied in; unreadable
+    SWAPPED = "swapped"  # holds a swapped-out request's block; only that request reads it
 
 
 class HostSlot:
-    """Metadata of one host slot of `block_size` token positions.
+    """Metadata of one slot of `block_size` token positions (in the host or the disk tier).
 
     The content key (`block_hash`, `parent_hash`, `token_bytes`, `salt`) is set when the slot is
     reserved for a store and kept while it is READY, so a hit re-checks the tokens exactly as a
     device hit does. `epoch` changes whenever the slot is given new content; `pin_cnt` counts the
-    in-flight loads reading it.
+    in-flight loads reading it; `owner` is the swapped-out request a private slot belongs to.
     """
 
     __slots__ = (
         "block_hash",
         "epoch",
+        "owner",
         "parent_hash",
         "pin_cnt",
         "salt",
@@ -52,9 +58,10 @@ class HostSlot:
         self.parent_hash: bytes | None = None
         self.token_bytes: bytes | None = None
         self.salt: str | None = None
+        self.owner: str | None = None
 
     def clear_content(self) -> None:
-        self.block_hash = self.parent_hash = self.token_bytes = self.salt = None
+        self.block_hash = self.parent_hash = self.token_bytes = self.salt = self.owner = None
 
     def __repr__(self) -> str:
         key = self.block_hash.hex()[:8] if self.block_hash else None
@@ -64,22 +71,24 @@ class HostSlot:
 
 @dataclass(slots=True)
 class HostTierCounters:
-    """Monotonic counters of the host tier (never reset while serving)."""
+    """Monotonic counters of one tier (host or disk; never reset while serving)."""
 
-    hit_blocks: int = 0  # blocks a prefix hit took from the host tier (loads scheduled)
+    hit_blocks: int = 0  # blocks a prefix hit took from this tier (loads scheduled)
     hit_tokens: int = 0  # the prompt tokens those blocks cover
-    stores: int = 0  # device->host copies confirmed (the block became READY)
-    loads: int = 0  # host->device copies confirmed
-    evictions: int = 0  # READY slots dropped to make room for newly evicted device blocks
-    dropped_stores: int = 0  # device evictions not kept: every slot was storing or pinned
+    stores: int = 0  # copies into this tier confirmed (the block became READY)
+    loads: int = 0  # copies from this tier to the device confirmed
+    evictions: int = 0  # READY slots given up to make room (to the tier below, if any)
+    dropped_stores: int = 0  # evictions from above not kept: every slot was busy
     cancelled_stores: int = 0  # stores whose step never ran or failed: the slot went back free
     cancelled_loads: int = 0  # loads whose request ended or whose step failed before confirming
-    hash_collisions: int = 0  # host hash matched but the tokens did not: the hit was refused
+    hash_collisions: int = 0  # hash matched but the tokens did not: the hit was refused
+    swapped_out_blocks: int = 0  # blocks of swapped-out requests copied in (confirmed)
+    swapped_in_blocks: int = 0  # of those, copied back to the device (confirmed)
 
 
 @dataclass(frozen=True, slots=True)
 class HostTierStats:
-    """A point-in-time view of the host tier: its census plus its counters."""
+    """A point-in-time view of one tier: its census plus its counters."""
 
     num_slots: int
     num_free_slots: int
@@ -87,32 +96,38 @@ class HostTierStats:
     num_ready_slots: int
     num_pinned_slots: int
     counters: HostTierCounters
+    num_swapped_slots: int = 0  # private to swapped-out requests (SWAPPING or SWAPPED)
 
     @property
     def usage(self) -> float:
         """Fraction of slots holding or receiving KV."""
-        used = self.num_storing_slots + self.num_ready_slots
+        used = self.num_storing_slots + self.num_ready_slots + self.num_swapped_slots
         return used / self.num_slots if self.num_slots else 0.0
 
 
-class HostTier:
-    """`num_slots` host slots, reused forever; LRU eviction among unpinned READY slots.
+class SlotPool:
+    """`num_slots` slots of one tier, reused forever; LRU eviction among unpinned READY slots.
 
     Contract: only READY slots are in `lru` and only they can be found by `get`; a STORING slot
-    becomes READY only through `confirm_store`; a pinned slot is never evicted or cancelled; the
-    tier holds at most one slot per block hash.
+    becomes READY only through `confirm_store`; a pinned or private slot is never evicted or
+    cancelled; the tier holds at most one READY or STORING slot per block hash. `on_evict`, if
+    set, sees each evicted READY slot with its content still set, before it is reused (the
+    host tier demotes it to the disk tier there).
     """
 
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, name: str = "host") -> None:
         if num_slots < 1:
-            raise ValueError(f"a host tier needs at least one slot, got {num_slots}")
+            raise ValueError(f"a {name} tier needs at least one slot, got {num_slots}")
+        self.name = name
         self.num_slots = num_slots
         self.slots = [HostSlot(slot_id) for slot_id in range(num_slots)]
         self.free_ids: deque[int] = deque(range(num_slots))
         self.lru: OrderedDict[bytes, HostSlot] = OrderedDict()  # READY, least recent first
         self.storing: dict[bytes, HostSlot] = {}
         self.num_pins = 0  # sum of every slot's pin_cnt: what the O(1) idle check reads
+        self.private: dict[int, HostSlot] = {}  # SWAPPING or SWAPPED, by slot id
         self.counters = HostTierCounters()
+        self.on_evict: Callable[[HostSlot], None] | None = None
 
     def contains(self, block_hash: bytes) -> bool:
         """Whether the tier holds or is receiving this block (READY or STORING)."""
@@ -145,24 +160,45 @@ class HostTier:
         least recently used unpinned READY slot (evicted). None, changing nothing, if every
         slot is storing or pinned."""
         assert not self.contains(block_hash), f"block {block_hash.hex()[:8]} is already kept"
-        if self.free_ids:
-            slot = self.slots[self.free_ids.popleft()]
-        else:
-            victim = self._victim()
-            if victim is None:
-                self.counters.dropped_stores += 1
-                return None
-            assert victim.block_hash is not None
-            del self.lru[victim.block_hash]
-            victim.clear_content()
-            self.counters.evictions += 1
-            slot = victim
+        slot = self._take_slot()
+        if slot is None:
+            self.counters.dropped_stores += 1
+            return None
         slot.state = SlotState.STORING
-        slot.epoch += 1
         slot.block_hash, slot.parent_hash = block_hash, parent_hash
         slot.token_bytes, slot.salt = token_bytes, salt
         self.storing[block_hash] = slot
         return slot
+
+    @property
+    def num_reservable(self) -> int:
+        """Slots a reservation could take now: free ones plus unpinned READY ones."""
+        return len(self.free_ids) + sum(1 for s in self.lru.values() if s.pin_cnt == 0)
+
+    def reserve_private(self, owner: str) -> HostSlot | None:
+        """A SWAPPING slot (new epoch) for one block of swapped-out request `owner`, taken like
+        `reserve` takes one; None, changing nothing, if every slot is busy."""
+        slot = self._take_slot()
+        if slot is None:
+            return None
+        slot.state = SlotState.SWAPPING
+        slot.owner = owner
+        self.private[slot.slot_id] = slot
+        return slot
+
+    def confirm_private(self, slot_id: int, epoch: int) -> None:
+        """The copy into private `slot_id` completed: its owner may read it back."""
+        slot = self.slots[slot_id]
+        assert slot.state is SlotState.SWAPPING and slot.epoch == epoch, f"confirming {slot}"
+        slot.state = SlotState.SWAPPED
+        self.counters.swapped_out_blocks += 1
+
+    def release_private(self, slot_id: int, epoch: int) -> None:
+        """Its owner is done with private `slot_id` (read back, or ended): the slot goes free."""
+        slot = self.slots[slot_id]
+        assert slot.slot_id in self.private and slot.epoch == epoch, f"releasing {slot}"
+        del self.private[slot_id]
+        self._free(slot)
 
     def confirm_store(self, slot_id: int, epoch: int) -> None:
         """The copy into `slot_id` completed: the slot becomes READY (most recently used)."""
@@ -197,8 +233,8 @@ class HostTier:
         self.num_pins -= 1
 
     def clear(self) -> bool:
-        """Forget every READY slot. Refused (False) while a slot is storing or pinned."""
-        if self.storing or any(s.pin_cnt for s in self.lru.values()):
+        """Forget every READY slot. Refused (False) while a slot is storing, pinned or private."""
+        if self.storing or self.private or any(s.pin_cnt for s in self.lru.values()):
             return False
         for slot in self.lru.values():
             self._free(slot)
@@ -213,11 +249,31 @@ class HostTier:
             num_ready_slots=len(self.lru),
             num_pinned_slots=sum(1 for s in self.lru.values() if s.pin_cnt),
             counters=replace(self.counters),
+            num_swapped_slots=len(self.private),
         )
 
     def lru_slot_ids(self) -> list[int]:
         """READY slot ids, least recently used first; for tests and debugging."""
         return [slot.slot_id for slot in self.lru.values()]
+
+    def _take_slot(self) -> HostSlot | None:
+        """A free slot, else the least recently used unpinned READY one (evicted, handed to
+        `on_evict` first), with a new epoch; None, changing nothing, when every slot is busy."""
+        if self.free_ids:
+            slot = self.slots[self.free_ids.popleft()]
+        else:
+            victim = self._victim()
+            if victim is None:
+                return None
+            assert victim.block_hash is not None
+            if self.on_evict is not None:
+                self.on_evict(victim)
+            del self.lru[victim.block_hash]
+            victim.clear_content()
+            self.counters.evictions += 1
+            slot = victim
+        slot.epoch += 1
+        return slot
 
     def _victim(self) -> HostSlot | None:
         """The least recently used READY slot no load reads, or None."""
@@ -227,3 +283,6 @@ class HostTier:
         slot.clear_content()
         slot.state = SlotState.FREE
         self.free_ids.append(slot.slot_id)
+
+
+HostTier = SlotPool  # the name the host tier had before the disk tier shared the class

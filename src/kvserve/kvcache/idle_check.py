@@ -18,12 +18,14 @@ from dataclasses import replace
 
 from kvserve.kvcache.audit import AuditReport, Violation, ViolationKind
 from kvserve.kvcache.block_pool import BlockPool
+from kvserve.kvcache.imports import ImportState, KVImports
 from kvserve.kvcache.ledger import Ledger
 from kvserve.kvcache.transfers import TransferLedger
 
 
 def quick_idle_report(pool: BlockPool, ledger: Ledger, pending: Mapping[bytes, str],
-                      transfers: TransferLedger | None) -> AuditReport:
+                      transfers: TransferLedger | None,
+                      imports: KVImports | None = None) -> AuditReport:
     """What the counts say about an idle cache (no request live). Never mutates. The census
     comes from the same counts; a finding names the request when it can, never a block (the
     full audit does: `merge_reports`)."""
@@ -46,15 +48,7 @@ def quick_idle_report(pool: BlockPool, ledger: Ledger, pending: Mapping[bytes, s
                              f"block hash {block_hash.hex()[:12]} is announced as being computed "
                              f"by request {owner!r}, but no request is live", None, owner))
     if transfers is not None:
-        host = transfers.host
-        if not transfers.is_idle or host.storing:
-            out.append(Violation(ViolationKind.HOST_TIER_BROKEN,
-                                 f"no request is live but {len(transfers.stores)} stores and "
-                                 f"{len(transfers.loads)} loads are unconfirmed "
-                                 f"({len(host.storing)} slots storing)"))
-        if host.num_pins:
-            out.append(Violation(ViolationKind.HOST_PIN_MISMATCH,
-                                 f"no load is in flight but host slots carry {host.num_pins} pins"))
+        out += _quick_tier_findings(transfers, imports)
     return AuditReport(
         num_blocks=pool.num_blocks,
         num_free_uncached=num_free - num_cached_free,
@@ -63,6 +57,41 @@ def quick_idle_report(pool: BlockPool, ledger: Ledger, pending: Mapping[bytes, s
         num_live_requests=len(ledger),
         violations=tuple(out),
     )
+
+
+def _quick_tier_findings(transfers: TransferLedger,
+                         imports: KVImports | None) -> list[Violation]:
+    """The host and disk tiers when idle: no copy unconfirmed, no swap slot held, and no slot
+    storing or pinned except by an import whose transfer is still open (it owns them)."""
+    out: list[Violation] = []
+    host, disk = transfers.host, transfers.disk
+    open_imports = [imp for imp in (imports.imports.values() if imports is not None else ())
+                    if imp.state is ImportState.OPEN]
+    open_reserved = sum(len(imp.reserved) for imp in open_imports)
+    open_pins = sum(len(imp.pinned) for imp in open_imports)
+    disk_storing = len(disk.storing) if disk is not None else 0
+    if not transfers.is_idle or len(host.storing) != open_reserved or disk_storing:
+        out.append(Violation(ViolationKind.HOST_TIER_BROKEN,
+                             f"no request is live but {len(transfers.stores)} stores and "
+                             f"{len(transfers.loads)} loads are unconfirmed "
+                             f"({len(host.storing)} host slots storing, {open_reserved} of them "
+                             f"for open imports; {disk_storing} disk slots storing)"))
+    disk_pins = disk.num_pins if disk is not None else 0
+    if host.num_pins != open_pins or disk_pins:
+        out.append(Violation(ViolationKind.HOST_PIN_MISMATCH,
+                             f"no load is in flight but host slots carry {host.num_pins} pins "
+                             f"({open_pins} by open imports) and disk slots {disk_pins}"))
+    if host.private:
+        out.append(Violation(ViolationKind.LEAK,
+                             f"no request is live but {len(host.private)} host slots are held "
+                             "for swapped-out requests"))
+    attached = [i for i, imp in (imports.imports.items() if imports is not None else ())
+                if imp.state is ImportState.ATTACHED]
+    if attached:
+        out.append(Violation(ViolationKind.IMPORT_LEAK,
+                             f"no request is live but {len(attached)} imports are attached to "
+                             f"requests (first: {attached[0]!r})", None, attached[0]))
+    return out
 
 
 def merge_reports(full: AuditReport, quick: AuditReport) -> AuditReport:

@@ -37,32 +37,18 @@ class RequestRecord:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # served from the prefix cache at admission
     pending_hashes: list[bytes] = field(default_factory=list)  # full blocks being computed
+    # Swapped out (preempted by swapping): the private host slots, (slot id, epoch) in table
+    # order, holding its computed tokens' KV until it is swapped back in.
+    swap_slots: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def block_ids(self) -> list[int]:
         return [block.block_id for block in self.block_table]
 
-    def extend_hashes(self, num_full_blocks: int, block_size: int) -> None:
-        """Extend the chained block hashes (and token bytes) to cover `num_full_blocks`."""
-        hashes, token_bytes = self.block_hashes, self.block_token_bytes
-        first = len(hashes)
-        if first >= num_full_blocks:
-            return
-        # One encoding for all new blocks, sliced per block: far cheaper than one per block.
-        bs = block_size
-        new_hashes, new_bytes = chain_hashes(
-            hashes[-1] if hashes else ROOT_HASH,
-            encode_tokens(self.token_ids[first * bs : num_full_blocks * bs]),
-            bs * TOKEN_WIDTH,
-            None if hashes else self.root_extra,
-        )
-        hashes.extend(new_hashes)
-        token_bytes.extend(new_bytes)
-
     def find_corruption(self, checksums: Mapping[int, int] | None = None) -> CacheCorruption | None:
-        """The first block of the table that is no longer this request's (reassigned: epoch
-        changed; released: refcount 0; or, with `checksums`, other content than the checksum
-        recorded when it was written); None when every block is sound. Read-only."""
+        """The first block of the table reassigned (epoch changed) or released (refcount 0)
+        under this request, or, with `checksums`, holding content other than the checksum
+        recorded when it was written; None when every block is still its own. Read-only."""
         for block, epoch in zip(self.block_table, self.block_epochs, strict=True):
             detail = None
             if block.epoch != epoch:
@@ -80,6 +66,23 @@ class RequestRecord:
                 return CacheCorruption(self.request_id, block.block_id, epoch, block.epoch,
                                        detail)
         return None
+
+    def extend_hashes(self, num_full_blocks: int, block_size: int) -> None:
+        """Extend the chained block hashes (and token bytes) to cover `num_full_blocks`."""
+        hashes, token_bytes = self.block_hashes, self.block_token_bytes
+        first = len(hashes)
+        if first >= num_full_blocks:
+            return
+        # One encoding for all new blocks, sliced per block: far cheaper than one per block.
+        bs = block_size
+        new_hashes, new_bytes = chain_hashes(
+            hashes[-1] if hashes else ROOT_HASH,
+            encode_tokens(self.token_ids[first * bs : num_full_blocks * bs]),
+            bs * TOKEN_WIDTH,
+            None if hashes else self.root_extra,
+        )
+        hashes.extend(new_hashes)
+        token_bytes.extend(new_bytes)
 
 
 @dataclass(frozen=True, slots=True)

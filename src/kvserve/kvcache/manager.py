@@ -4,7 +4,9 @@ Life of a request: `add_request` → `lookup` (read-only) → `allocate_slots` (
 consume the lookup's hit) → the model writes KV → `commit` (full blocks become shareable) → more
 `append_token_ids` / `allocate_slots` / `commit` while decoding → `free` (one path for every
 ending, idempotent). `verify` before a step proves no block was reassigned under the request.
-With a host tier, each step's copies: `take_transfers` → the model → `complete_transfers`.
+With a host tier (and a disk tier under it), each step's copies: `take_transfers` → the model
+→ `complete_transfers`. With a host tier, a running request can be preempted by swapping
+(`swap_out`, later `swap_in`; see swapping.py) instead of being freed and recomputed.
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.errors import UnknownRequest
 from kvserve.kvcache.events import KVEvent
 from kvserve.kvcache.hashing import encode_extra_keys
-from kvserve.kvcache.host_audit import audit_host_tier
-from kvserve.kvcache.host_tier import HostSlot, HostTier
+from kvserve.kvcache.host_audit import audit_tiers
+from kvserve.kvcache.host_tier import HostTier, SlotPool
 from kvserve.kvcache.idle_check import merge_reports, quick_idle_report
 from kvserve.kvcache.imports import KVImports
 from kvserve.kvcache.ledger import Ledger, LedgerEntry, RequestRecord
+from kvserve.kvcache.prefix_hits import TierSlots, claim_prefix_hit, find_prefix_hit
 from kvserve.kvcache.publishing import announce, publish, withdraw
 from kvserve.kvcache.stats import KVCacheCounters, KVCacheStats
-from kvserve.kvcache.transfers import KVTransfers, TransferLedger
+from kvserve.kvcache.swapping import finish_swap_in, start_swap_in, start_swap_out
+from kvserve.kvcache.transfers import KVTransfers, LoadSource, TransferLedger
 from kvserve.kvcache.types import FreeReason, PrefixHit, SlotAllocation
 
 
@@ -46,11 +50,18 @@ class KVCacheManager:
         enable_events: bool = False,
         model_id: str = "",
         num_host_slots: int = 0,
+        num_disk_slots: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if num_disk_slots and not num_host_slots:
+            raise ValueError("a disk tier keeps what the host tier evicts, so it needs a host "
+                             "tier; give num_host_slots > 0 or num_disk_slots=0")
         self.counters = KVCacheCounters()
-        # The host tier under the pool (None: off): evicted cached blocks are offloaded to it.
-        self.transfers = TransferLedger(HostTier(num_host_slots)) if num_host_slots else None
+        # The host tier under the pool (None: off): evicted cached blocks are offloaded to it;
+        # the disk tier under the host tier (optional) keeps what the host tier evicts.
+        disk = SlotPool(num_disk_slots, name="disk") if num_disk_slots else None
+        self.transfers = (TransferLedger(HostTier(num_host_slots), disk) if num_host_slots
+                          else None)
         self.pool = BlockPool(num_blocks, block_size, self.counters, enable_events=enable_events,
                               on_evict=self.transfers.offload if self.transfers else None)
         # KV received from a prefill worker lands in the host tier (None without one).
@@ -96,36 +107,13 @@ class KVCacheManager:
 
     def lookup(self, request_id: str) -> PrefixHit:
         """The longest cached head of the request's tokens: device blocks, then READY host
-        slots. Read-only: changes no refcount, queue position, pin or hit statistic (a refused
-        hash collision is counted). Capped so that at least one token is left to compute."""
+        slots, then READY disk slots. Read-only: changes no refcount, queue position, pin or hit
+        statistic (a refused hash collision is counted). Capped so that at least one token is
+        left to compute."""
         record = self._record(request_id)
-        if not self.enable_prefix_caching or record.block_table:
+        if not self.enable_prefix_caching or record.block_table or record.swap_slots:
             return PrefixHit()
-        max_blocks = (len(record.token_ids) - 1) // self.block_size
-        record.extend_hashes(max_blocks, self.block_size)
-        hit: list[KVBlock] = []
-        for idx in range(max_blocks):
-            block = self.pool.get_cached_block(
-                record.block_hashes[idx], record.block_token_bytes[idx]
-            )
-            if block is None:
-                break
-            hit.append(block)
-        host_hit = self.transfers.find_hit(record, len(hit), max_blocks, self.pending) if (
-            self.transfers) else []
-        num_pending = 0
-        for idx in range(len(hit) + len(host_hit), max_blocks):
-            if self.pending.get(record.block_hashes[idx]) in (None, request_id):
-                break
-            num_pending += 1
-        return PrefixHit(
-            block_ids=tuple(b.block_id for b in hit),
-            epochs=tuple(b.epoch for b in hit),
-            num_tokens=(len(hit) + len(host_hit)) * self.block_size,
-            num_pending_tokens=num_pending * self.block_size,
-            host_slots=tuple(s.slot_id for s in host_hit),
-            host_epochs=tuple(s.epoch for s in host_hit),
-        )
+        return find_prefix_hit(self.pool, self.transfers, self.pending, record)
 
     def allocate_slots(
         self, request_id: str, num_new_tokens: int, prefix_hit: PrefixHit | None = None
@@ -133,29 +121,23 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens after those already computed.
 
         On the first allocation `prefix_hit` (from `lookup`) is taken: its blocks join the table
-        and its tokens count as computed; its host slots get fresh blocks and scheduled loads
-        (published after `complete_transfers`). Returns None when there is not enough free space,
-        and then nothing has changed: no refcount, queue position, map entry, pin or counter.
+        and its tokens count as computed; its host and disk slots get fresh blocks and scheduled
+        loads (published after `complete_transfers`). Returns None when there is not enough free
+        space, and then nothing has changed: no refcount, queue position, map entry, pin or
+        counter.
         """
         # Invariant: capacity is checked before any block is touched (all-or-nothing).
         record = self._record(request_id)
+        if record.swap_slots and not record.block_table:
+            raise ValueError(f"request {request_id!r} is swapped out; resume it with swap_in")
         hit_blocks: list[KVBlock] = []
-        host_slots: list[HostSlot] = []
-        if prefix_hit is not None and (prefix_hit.block_ids or prefix_hit.host_slots):
+        tier_slots: TierSlots = []
+        if prefix_hit is not None and prefix_hit.num_tokens:
             if record.block_table:
                 raise ValueError(f"request {request_id!r}: a prefix hit is only taken at admission")
-            hit_blocks = [self.pool.blocks[i] for i in prefix_hit.block_ids]
-            host_slots = [self._host.slots[i] for i in prefix_hit.host_slots]
-            # A hit must still be the very content this request hashed, at the epoch seen.
-            record.extend_hashes(len(hit_blocks) + len(host_slots), self.block_size)
-            expected = record.block_hashes[: len(hit_blocks)]
-            if [b.epoch for b in hit_blocks] != list(prefix_hit.epochs) or any(
-                b.block_hash != h for b, h in zip(hit_blocks, expected, strict=True)
-            ) or (host_slots and not self._host.is_fresh(
-                host_slots, prefix_hit.host_epochs, record.block_hashes[len(hit_blocks) :]
-            )):
-                raise ValueError(f"request {request_id!r}: stale prefix hit; call lookup again")
-        num_hit_blocks = len(hit_blocks) + len(host_slots)
+            hit_blocks, tier_slots = claim_prefix_hit(self.pool, self.transfers, record,
+                                                      prefix_hit)
+        num_hit_blocks = len(hit_blocks) + len(tier_slots)
         num_computed = record.num_computed_tokens + num_hit_blocks * self.block_size
         num_tokens = num_computed + num_new_tokens
         if num_tokens > len(record.token_ids) or num_new_tokens < 0:
@@ -171,8 +153,12 @@ class KVCacheManager:
 
         is_admission = not record.block_table
         self.pool.touch(hit_blocks, request_id)
-        for slot in host_slots:  # pinned before the pool evicts (and offloads) anything
-            self._host.pin(slot)
+        tiers = self.transfers
+        # Pinned before the pool evicts (and offloads) anything; deepest first, so the chain's
+        # head is the most recently used and a tier's LRU gives up its tail first.
+        for slot, source in reversed(tier_slots):
+            assert tiers is not None, "claimed above"
+            tiers.tier(source).pin(slot)
         new_blocks = self.pool.allocate(num_needed, request_id)
         assert new_blocks is not None, "free count checked above"
         if is_admission and self.imports is not None:
@@ -180,21 +166,20 @@ class KVCacheManager:
         for block in (*hit_blocks, *new_blocks):
             record.block_table.append(block)
             record.block_epochs.append(block.epoch)
-        for offset, slot in enumerate(host_slots):
-            assert self.transfers is not None
-            self.transfers.load(request_id, len(hit_blocks) + offset, new_blocks[offset], slot)
+        for offset, (slot, source) in enumerate(tier_slots):
+            assert tiers is not None, "claimed above"
+            tiers.load(request_id, len(hit_blocks) + offset, new_blocks[offset], slot, source)
+            tiers.tier(source).counters.hit_blocks += 1
+            tiers.tier(source).counters.hit_tokens += self.block_size
         if num_hit_blocks:
             record.num_computed_tokens = num_computed
             record.num_cached_tokens = num_computed
         if is_admission and self.enable_prefix_caching:
             self.counters.prefix_queries_tokens += len(record.token_ids)
             self.counters.prefix_hits_tokens += record.num_cached_tokens
-        if host_slots:
-            self._host.counters.hit_blocks += len(host_slots)
-            self._host.counters.hit_tokens += len(host_slots) * self.block_size
         if self.enable_prefix_caching:
             # Loaded blocks are announced too: until published, a twin request waits for them.
-            first = (len(hit_blocks) if host_slots
+            first = (len(hit_blocks) if tier_slots
                      else record.num_computed_tokens // self.block_size)
             announce(self.pending, self.pool, record, first)
         record.last_active = self._clock()
@@ -243,6 +228,7 @@ class KVCacheManager:
             return 0
         if self.transfers is not None:
             self.transfers.cancel_request(request_id)  # unpublished loads: never readable
+            self.transfers.release_swap(record.swap_slots)  # a swapped-out request's KV
         withdraw(self.pending, record, list(record.pending_hashes))
         # Deepest block first, so a surviving prefix is always a contiguous head.
         self.pool.free(reversed(record.block_table))
@@ -281,10 +267,8 @@ class KVCacheManager:
         """
         report = run_audit(self.pool, self.ledger, live_request_ids, self.pending)
         if self.transfers is not None:
-            host_violations, census = audit_host_tier(self.transfers, self.ledger,
-                                                      live_request_ids, self.imports)
-            report = replace(report, violations=report.violations + tuple(host_violations),
-                             host=census)
+            report = audit_tiers(report, self.transfers, self.ledger, live_request_ids,
+                                 self.imports)
         self.counters.audit_runs += 1
         if not report.ok:
             self.counters.audit_failures += 1
@@ -298,7 +282,8 @@ class KVCacheManager:
         """The idle check from counts, O(live) (idle_check.py); if it finds anything, the full
         audit runs too and names every culprit in the returned report."""
         self.counters.idle_checks += 1
-        quick = quick_idle_report(self.pool, self.ledger, self.pending, self.transfers)
+        quick = quick_idle_report(self.pool, self.ledger, self.pending, self.transfers,
+                                  self.imports)
         return quick if quick.ok else merge_reports(self.check_idle(), quick)
 
     def reap(
@@ -342,46 +327,90 @@ class KVCacheManager:
             num_live_requests=len(self.ledger),
             counters=replace(self.counters, frees_by_reason=dict(self.counters.frees_by_reason)),
             host=self.transfers.host.stats() if self.transfers else None,
+            disk=self.transfers.disk.stats() if self.transfers and self.transfers.disk else None,
         )
 
     def drain_events(self) -> list[KVEvent]:
         return self.pool.drain_events()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block in both tiers; refused (False) while any block is held or
-        any copy between the tiers is unconfirmed."""
+        """Forget every cached block in every tier; refused (False) while any block is held,
+        any request is swapped out, any import is open or any copy between the tiers is
+        unconfirmed."""
+        tiers = self.transfers
         busy_imports = self.imports is not None and bool(self.imports.imports)
-        if (self.transfers is not None and not self.transfers.is_idle) or busy_imports:
+        if (tiers is not None and (not tiers.is_idle or tiers.host.private)) or busy_imports:
             return False
         if not self.pool.reset_prefix_cache():
             return False
-        if self.transfers is not None:
-            assert self.transfers.host.clear(), "an idle host tier can always be cleared"
+        if tiers is not None:
+            assert tiers.host.clear(), "an idle host tier can always be cleared"
+            assert tiers.disk is None or tiers.disk.clear(), "an idle disk tier too"
         return True
 
-    # -- the host tier --------------------------------------------------------------------
+    # -- preemption by swapping -----------------------------------------------------------
+
+    def swap_out(self, request_id: str) -> bool:
+        """Preempt by swapping (swapping.py): the request's computed KV is copied to host slots
+        private to it and its device blocks are released; it stays live, its computed tokens
+        kept. False, changing nothing, when it cannot be swapped (no host tier, nothing
+        computed, or too few host slots: counted as a fallback); the caller then frees it."""
+        return start_swap_out(self.pool, self.transfers, self.pending,
+                              self._record(request_id), self.counters)
+
+    def is_swapped(self, request_id: str) -> bool:
+        """Whether the request is swapped out (resume it with `swap_in`, not `allocate_slots`)."""
+        record = self.ledger.get(request_id)
+        return record is not None and bool(record.swap_slots) and not record.block_table
+
+    def swap_in(self, request_id: str, num_new_tokens: int) -> SlotAllocation | None:
+        """Resume a swapped-out request with room for `num_new_tokens` more tokens: fresh
+        blocks, loads from its private slots (its KV is readable after `complete_transfers`).
+        None, changing nothing, when too few blocks are free."""
+        record = self._record(request_id)
+        assert self.transfers is not None and self.is_swapped(request_id), f"{request_id} swap"
+        blocks = start_swap_in(self.pool, self.transfers, self.pending, record, num_new_tokens,
+                               self.enable_prefix_caching, self.counters)
+        if blocks is None:
+            return None
+        record.last_active = self._clock()
+        return SlotAllocation(tuple(b.block_id for b in blocks), record.num_cached_tokens)
+
+    # -- copies between the tiers ---------------------------------------------------------
 
     def take_transfers(self) -> KVTransfers:
         """The copies the allocations since the last take scheduled: this step's transfers."""
         return self.transfers.take() if self.transfers else KVTransfers()
 
     def complete_transfers(self, transfers: KVTransfers) -> None:
-        """The step that ran `transfers` completed: stored host slots become READY and loaded
-        blocks are published (hit-able), never earlier."""
+        """The step that ran `transfers` completed: stored slots become READY (or SWAPPED) and
+        loaded blocks are published (hit-able), never earlier."""
         if self.transfers is None:
             assert not transfers, "transfers without a host tier"
             return
         for load in self.transfers.complete(transfers):
             record = self.ledger.get(load.request_id)
             assert record is not None, "a freed request's loads are cancelled at free"
+            if load.source is LoadSource.SWAP:
+                finish_swap_in(self.pool, self.transfers, record, load,
+                               self.enable_prefix_caching)
+                continue
             withdraw(self.pending, record, [record.block_hashes[load.block_idx]])
             publish(self.pool, record, load.block_idx)
 
     def cancel_transfers(self, transfers: KVTransfers) -> set[str]:
         """The step that was to run `transfers` failed: nothing it copied becomes readable and
-        every pin is released. Returns the requests whose loaded KV is missing; the caller must
-        end them (free is the one path)."""
-        return self.transfers.cancel(transfers) if self.transfers else set()
+        every pin is released. A request whose swap-out it carried is freed (its KV is lost:
+        the caller recomputes it, and sees `has_request` False). Returns the requests whose
+        loaded KV is missing; the caller must end them (free is the one path)."""
+        if self.transfers is None:
+            return set()
+        lost = self.transfers.swap_owners(transfers)
+        failed = self.transfers.cancel(transfers)
+        for request_id in lost:
+            self.counters.swap_fallbacks += 1
+            self.free(request_id, FreeReason.PREEMPTED)
+        return failed
 
     # -- internals ------------------------------------------------------------------------
 
@@ -391,8 +420,3 @@ class KVCacheManager:
             raise UnknownRequest(f"request {request_id!r} is not in the cache (not added or freed)")
         return record
 
-    @property
-    def _host(self) -> HostTier:
-        if self.transfers is None:
-            raise ValueError("a host-tier prefix hit, but this cache has no host tier")
-        return self.transfers.host

@@ -25,6 +25,9 @@ class KVCacheCounters:
     audit_runs: int = 0  # full audits
     idle_checks: int = 0  # idle checks from counts (a failed one runs a full audit too)
     audit_failures: int = 0
+    swapped_out_requests: int = 0  # preemptions by swapping (KV copied to the host tier)
+    swapped_in_requests: int = 0  # swapped-out requests resumed (KV copied back)
+    swap_fallbacks: int = 0  # swaps refused (host tier full) or lost (failed step): recompute
     frees_by_reason: dict[FreeReason, int] = field(default_factory=dict)
 
 
@@ -33,7 +36,8 @@ class KVCacheStats:
     """A point-in-time view: the counters plus the gauges users chart.
 
     `usage` counts evictable cached blocks as free, as vLLM's `kv_cache_usage_perc` does.
-    `host` is the host tier's own view, None when the cache has no host tier.
+    `host` is the host tier's own view, None when the cache has no host tier; `disk` the disk
+    tier's, None without one.
     """
 
     num_blocks: int
@@ -44,6 +48,7 @@ class KVCacheStats:
     num_live_requests: int
     counters: KVCacheCounters
     host: HostTierStats | None = None
+    disk: HostTierStats | None = None
 
     @property
     def usage(self) -> float:

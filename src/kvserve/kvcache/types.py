@@ -25,8 +25,10 @@ class PrefixHit:
     `block_ids` and `epochs` pair up; the allocation that consumes the hit re-checks the epochs,
     so a hit that went stale in between is refused rather than read. `host_slots` and
     `host_epochs` pair up the same way: the hit's continuation in the host tier, the blocks right
-    after `block_ids` (copied into fresh device blocks by the step that allocates them).
-    `num_tokens` covers both tiers. `num_pending_tokens`: how many tokens right after the hit
+    after `block_ids` (copied into fresh device blocks by the step that allocates them);
+    `disk_slots` and `disk_epochs` the same in the disk tier. `from_disk` says, for each block
+    after `block_ids` in order, whether it comes from the disk (empty: all from the host).
+    `num_tokens` covers every tier. `num_pending_tokens`: how many tokens right after the hit
     another live request is computing (or loading) now; a scheduler that waits for them gets
     them from the cache instead of computing them twice.
     """
@@ -37,6 +39,9 @@ class PrefixHit:
     num_pending_tokens: int = 0
     host_slots: tuple[int, ...] = ()
     host_epochs: tuple[int, ...] = ()
+    disk_slots: tuple[int, ...] = ()
+    disk_epochs: tuple[int, ...] = ()
+    from_disk: tuple[bool, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

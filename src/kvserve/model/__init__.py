@@ -7,6 +7,7 @@ The modules re-exported here import nothing from the rest of kvserve. Import fro
 from kvserve.model.attention_metadata import AttentionMetadata, compute_positions
 from kvserve.model.checkpoint import demo_model_config, write_random_checkpoint
 from kvserve.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling
+from kvserve.model.disk_kv import DiskKV, allocate_disk_kv_caches
 from kvserve.model.errors import ModelLoadError
 from kvserve.model.host_kv import allocate_host_kv_caches, run_kv_transfers
 from kvserve.model.llama import LlamaForCausalLM
@@ -23,6 +24,7 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "AttentionMetadata",
     "ChatTemplateError",
+    "DiskKV",
     "KVCache",
     "LlamaForCausalLM",
     "LoadedModel",
@@ -30,6 +32,7 @@ __all__ = [
     "ModelLoadError",
     "RopeScaling",
     "Tokenizer",
+    "allocate_disk_kv_caches",
     "allocate_host_kv_caches",
     "allocate_kv_caches",
     "compute_positions",

@@ -1,4 +1,4 @@
-"""The host tier's KV tensors and the copies between them and the device KV cache.
+"""The host tier's KV tensors and the copies between the device KV cache and the tiers.
 
 Host slots have the device blocks' layout exactly (one ``KVCache`` per layer, in host memory,
 pinned when the device is CUDA so copies can use DMA), so a copy moves whole blocks along dim 0.
@@ -27,27 +27,39 @@ def allocate_host_kv_caches(config: ModelConfig, num_slots: int, block_size: int
 
 
 def run_kv_transfers(transfers: KVTransfers, device_caches: Sequence[KVCache],
-                     host_caches: Sequence[KVCache]) -> None:
-    """Run one step's copies, batched per layer: every offload (device block -> host slot)
-    first, since they read blocks that loads and the forward pass may overwrite, then every
-    load (host slot -> device block). Returns once the host tensors hold what was offloaded."""
-    # Invariant: no load or forward write touches a device block before its offload read it.
+                     host_caches: Sequence[KVCache],
+                     disk_caches: Sequence[KVCache] = ()) -> None:
+    """Run one step's copies, batched per layer and kind: every demotion (host slot -> disk
+    slot) first, since offloads overwrite host slots; then every offload (device block -> host
+    slot), since loads and the forward pass may overwrite the blocks; then every load (host or
+    disk slot -> device block). Returns once the host and disk tensors hold what was copied."""
+    # Invariant: nothing overwrites a block or slot before every copy out of it has read it.
     if not transfers:
         return
-    device = device_caches[0].key_cache.device
-    if transfers.offloads:
-        blocks = torch.tensor([op.block_id for op in transfers.offloads], dtype=torch.long,
-                              device=device)  # [num_offloads]
-        slots = torch.tensor([op.host_slot for op in transfers.offloads], dtype=torch.long)
-        for dev, host in zip(device_caches, host_caches, strict=True):
-            for src, dst in ((dev.key_cache, host.key_cache), (dev.value_cache, host.value_cache)):
-                # [num_offloads, block_size, kv_heads, hd]; a synchronous device->host copy
-                dst.index_copy_(0, slots, src.index_select(0, blocks).to(dst.device))
-    if transfers.loads:
-        slots = torch.tensor([op.host_slot for op in transfers.loads], dtype=torch.long)
-        blocks = torch.tensor([op.block_id for op in transfers.loads], dtype=torch.long,
-                              device=device)  # [num_loads]
-        for dev, host in zip(device_caches, host_caches, strict=True):
-            for src, dst in ((host.key_cache, dev.key_cache), (host.value_cache, dev.value_cache)):
-                # [num_loads, block_size, kv_heads, hd]; stream-ordered before the forward pass
-                dst.index_copy_(0, blocks, src.index_select(0, slots).to(device))
+    t = transfers
+    copy_blocks(host_caches, disk_caches, [op.host_slot for op in t.demotions],
+                [op.disk_slot for op in t.demotions])
+    copy_blocks(device_caches, host_caches, [op.block_id for op in t.offloads],
+                [op.host_slot for op in t.offloads])
+    copy_blocks(host_caches, device_caches, [op.host_slot for op in t.loads],
+                [op.block_id for op in t.loads])
+    copy_blocks(disk_caches, device_caches, [op.disk_slot for op in t.disk_loads],
+                [op.block_id for op in t.disk_loads])
+
+
+def copy_blocks(src_caches: Sequence[KVCache], dst_caches: Sequence[KVCache],
+                src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+    """Copy block `src_ids[i]` of every layer's K and V into block `dst_ids[i]`, across
+    devices if need be (a copy to the CPU completes before this returns)."""
+    if not src_ids:
+        return
+    assert len(src_caches) == len(dst_caches), "copies between tiers of different models"
+    src_device = src_caches[0].key_cache.device
+    dst_device = dst_caches[0].key_cache.device
+    src = torch.tensor(src_ids, dtype=torch.long, device=src_device)  # [num_copies]
+    dst = torch.tensor(dst_ids, dtype=torch.long, device=dst_device)  # [num_copies]
+    for src_cache, dst_cache in zip(src_caches, dst_caches, strict=True):
+        for s, d in ((src_cache.key_cache, dst_cache.key_cache),
+                     (src_cache.value_cache, dst_cache.value_cache)):
+            # [num_copies, block_size, kv_heads, hd]
+            d.index_copy_(0, dst, s.index_select(0, src).to(dst_device))

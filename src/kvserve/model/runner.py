@@ -3,7 +3,7 @@
 It implements the engine's `ModelExecutor`: flattens the step's tokens (prefill chunks and
 decodes together), builds the attention metadata from the block tables the scheduler verified,
 runs the network over the paged KV cache and samples the rows whose chunk reaches the end of its
-sequence. With a host tier, the step's copies between the tiers run first.
+sequence. With a host tier (and a disk tier), the step's copies between the tiers run first.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from kvserve.model.sampler import Sampler
 
 class ModelRunner:
     """Runs `model` over `kv_caches` (one per layer) for the engine, on the model's device.
-    `host_kv_caches` (one per layer, same block layout) back the host tier, if there is one."""
+    `host_kv_caches` and `disk_kv_caches` (one per layer, same block layout) back the host and
+    disk tiers, if there are any."""
 
     def __init__(
         self,
@@ -31,10 +32,12 @@ class ModelRunner:
         block_size: int,
         sampler: Sampler,
         host_kv_caches: Sequence[KVCache] = (),
+        disk_kv_caches: Sequence[KVCache] = (),
     ) -> None:
         self.model = model
         self.kv_caches = list(kv_caches)
         self.host_kv_caches = list(host_kv_caches)
+        self.disk_kv_caches = list(disk_kv_caches)
         self.block_size = block_size
         self.sampler = sampler
         self.device = next(model.parameters()).device
@@ -47,7 +50,10 @@ class ModelRunner:
         # to the model for decode-heavy batches of many short queries.
         if output.kv_transfers:
             assert self.host_kv_caches, "copies to a host tier this runner does not have"
-            run_kv_transfers(output.kv_transfers, self.kv_caches, self.host_kv_caches)
+            assert self.disk_kv_caches or not (output.kv_transfers.demotions
+                                               or output.kv_transfers.disk_loads), "no disk tier"
+            run_kv_transfers(output.kv_transfers, self.kv_caches, self.host_kv_caches,
+                             self.disk_kv_caches)
         if not output.scheduled:
             return {}
         bs = self.block_size

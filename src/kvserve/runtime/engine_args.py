@@ -16,6 +16,11 @@ class EngineArgs:
     KV cache size: `num_kv_blocks` if given, else `kv_cache_memory_bytes` (default 1 GiB).
     `kv_host_tier_bytes` > 0 adds a host-memory tier of that many bytes under the device pool
     (evicted prefix blocks are kept there and copied back on a hit); 0 turns it off.
+    `kv_disk_tier_bytes` > 0 adds a disk tier of that many bytes under the host tier (what the
+    host tier evicts is kept there), in a file under `kv_disk_tier_path` (a directory: a new
+    file per process; a file path: truncated on start); it needs the host tier.
+    `preemption_mode`: "recompute" (free the victim's KV, recompute it on resume) or "swap"
+    (copy it to the host tier and back; needs the host tier; recompute when the tier is full).
     `max_model_len` None means the model's `max_position_embeddings`.
     `onednn_linear`: on CPU, run the linear layers through oneDNN with prepacked weights (the
     same fp32 math, in another summation order; 1.8-2.2x faster than PyTorch's default BLAS on
@@ -31,6 +36,9 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     kv_host_tier_bytes: int = 0
+    kv_disk_tier_bytes: int = 0
+    kv_disk_tier_path: str | None = None
+    preemption_mode: str = "recompute"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -58,6 +66,21 @@ class EngineArgs:
         if self.kv_host_tier_bytes and not self.enable_prefix_caching:
             raise ValueError("the host KV tier keeps evicted prefix-cache blocks, so it needs "
                              "prefix caching; enable it or set kv_host_tier_bytes=0")
+        if self.kv_disk_tier_bytes < 0:
+            raise ValueError(f"kv_disk_tier_bytes must be >= 0 (0 turns the disk tier off), got "
+                             f"{self.kv_disk_tier_bytes}")
+        if self.kv_disk_tier_bytes and not self.kv_host_tier_bytes:
+            raise ValueError("the disk KV tier keeps what the host tier evicts, so it needs a "
+                             "host tier; set kv_host_tier_bytes > 0 or kv_disk_tier_bytes=0")
+        if bool(self.kv_disk_tier_bytes) != bool(self.kv_disk_tier_path):
+            raise ValueError("a disk KV tier needs both kv_disk_tier_bytes > 0 and "
+                             "kv_disk_tier_path (a directory or file); give both or neither")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got "
+                             f"{self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and not self.kv_host_tier_bytes:
+            raise ValueError("swap preemption copies KV to the host tier, so it needs one; set "
+                             "kv_host_tier_bytes > 0 or preemption_mode='recompute'")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -76,15 +99,11 @@ class EngineArgs:
 
     def resolve_num_host_slots(self, bytes_per_block: int) -> int:
         """Slots in the host tier: as many blocks as `kv_host_tier_bytes` holds (0: off)."""
-        if not self.kv_host_tier_bytes:
-            return 0
-        num_slots = self.kv_host_tier_bytes // bytes_per_block
-        if num_slots < 1:
-            raise ValueError(
-                f"kv_host_tier_bytes={self.kv_host_tier_bytes} holds no block of "
-                f"{bytes_per_block} bytes; give at least {bytes_per_block} or 0 to turn it off"
-            )
-        return num_slots
+        return _num_slots("kv_host_tier_bytes", self.kv_host_tier_bytes, bytes_per_block)
+
+    def resolve_num_disk_slots(self, bytes_per_block: int) -> int:
+        """Slots in the disk tier: as many blocks as `kv_disk_tier_bytes` holds (0: off)."""
+        return _num_slots("kv_disk_tier_bytes", self.kv_disk_tier_bytes, bytes_per_block)
 
     def resolve_num_threads(self) -> int:
         if self.num_threads is not None:
@@ -93,3 +112,14 @@ class EngineArgs:
             return max(1, len(os.sched_getaffinity(0)))
         except AttributeError:  # not on Linux
             return max(1, os.cpu_count() or 1)
+
+
+def _num_slots(name: str, num_bytes: int, bytes_per_block: int) -> int:
+    """How many blocks `num_bytes` of a tier holds (0: the tier is off)."""
+    if not num_bytes:
+        return 0
+    num_slots = num_bytes // bytes_per_block
+    if num_slots < 1:
+        raise ValueError(f"{name}={num_bytes} holds no block of {bytes_per_block} bytes; give "
+                         f"at least {bytes_per_block} or 0 to turn it off")
+    return num_slots

@@ -16,6 +16,7 @@ import torch
 
 from kvserve.engine import (
     EngineCore,
+    PreemptionMode,
     Request,
     RequestDelta,
     SamplingParams,
@@ -25,6 +26,7 @@ from kvserve.engine import (
 from kvserve.kvcache import AuditReport, KVCacheManager, KVCacheStats
 from kvserve.model import (
     Tokenizer,
+    allocate_disk_kv_caches,
     allocate_host_kv_caches,
     allocate_kv_caches,
     kv_cache_bytes_per_block,
@@ -98,6 +100,7 @@ class LLMEngine:
         bytes_per_block = kv_cache_bytes_per_block(config, args.block_size, loaded.dtype)
         num_blocks = args.resolve_num_blocks(bytes_per_block)
         num_host_slots = args.resolve_num_host_slots(bytes_per_block)
+        num_disk_slots = args.resolve_num_disk_slots(bytes_per_block)
         max_model_len = args.max_model_len or config.max_position_embeddings
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
@@ -106,19 +109,25 @@ class LLMEngine:
         kv_cache = KVCacheManager(num_blocks, args.block_size,
                                   enable_prefix_caching=args.enable_prefix_caching,
                                   enable_events=True, model_id=name,
-                                  num_host_slots=num_host_slots)
+                                  num_host_slots=num_host_slots,
+                                  num_disk_slots=num_disk_slots)
         kv_caches = allocate_kv_caches(config, num_blocks, args.block_size, dtype=loaded.dtype,
                                        device=loaded.device)
         host_kv_caches = allocate_host_kv_caches(
             config, num_host_slots, args.block_size, dtype=loaded.dtype,
             pin_memory=torch.device(loaded.device).type == "cuda") if num_host_slots else []
+        disk = allocate_disk_kv_caches(config, num_disk_slots, args.block_size,
+                                       dtype=loaded.dtype, path=args.kv_disk_tier_path
+                                       ) if num_disk_slots and args.kv_disk_tier_path else None
         if args.onednn_linear and onednn_available(loaded.device, loaded.dtype):
             loaded.model.pack_for_onednn()
         runner = ModelRunner(loaded.model, kv_caches, args.block_size,
-                             Sampler(args.seed, loaded.device), host_kv_caches)
+                             Sampler(args.seed, loaded.device), host_kv_caches,
+                             disk.caches if disk else ())
         scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
                                               max_model_len, args.audit_interval_steps,
-                                              args.idle_audit_interval_s), kv_cache)
+                                              args.idle_audit_interval_s,
+                                              PreemptionMode(args.preemption_mode)), kv_cache)
         eos = frozenset(loaded.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         engine = cls(args, tokenizer, core=None, kv_cache=kv_cache,  # type: ignore[arg-type]

@@ -30,6 +30,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-host-tier-bytes", type=int, default=0,
                    help="bytes of host memory that keep evicted prefix blocks and copy them "
                         "back on a hit (default 0: off)")
+    p.add_argument("--kv-disk-tier-bytes", type=int, default=0,
+                   help="bytes of disk under the host tier that keep what it evicts (default "
+                        "0: off; needs --kv-host-tier-bytes and --kv-disk-tier-path)")
+    p.add_argument("--kv-disk-tier-path", default=None,
+                   help="directory (a new file per process) or file (truncated on start) for "
+                        "the disk tier")
+    p.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute",
+                   help="what preemption does with the victim's KV: recompute it later, or "
+                        "swap it to the host tier and back (needs --kv-host-tier-bytes)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="max running requests")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     p.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens")
@@ -52,7 +61,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
         model=args.model, served_model_name=args.served_model_name, block_size=args.block_size,
         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        kv_host_tier_bytes=args.kv_host_tier_bytes,
+        kv_host_tier_bytes=args.kv_host_tier_bytes, kv_disk_tier_bytes=args.kv_disk_tier_bytes,
+        kv_disk_tier_path=args.kv_disk_tier_path, preemption_mode=args.preemption_mode,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
         dtype=args.dtype, device=args.device, seed=args.seed,

@@ -25,6 +25,11 @@ def kv_report(engine: LLMEngine) -> dict[str, Any]:
         "usage": stats.host.usage,
         "counters": asdict(stats.host.counters),
     }
+    disk_tier = None if stats.disk is None else {
+        "census": asdict(report.disk) if report.disk is not None else None,
+        "usage": stats.disk.usage,
+        "counters": asdict(stats.disk.counters),
+    }
     return {
         "audit": {
             "ok": report.ok,
@@ -55,4 +60,5 @@ def kv_report(engine: LLMEngine) -> dict[str, Any]:
             "num_reserved_slots": len(kv.imports.reservations()),
             "num_cancelled": kv.imports.num_cancelled,
         },
+        "disk_tier": disk_tier,
     }

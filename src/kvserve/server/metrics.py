@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvserve.engine import FinishReason
-from kvserve.kvcache import FreeReason
+from kvserve.kvcache import FreeReason, HostTierStats
 from kvserve.runtime import AsyncEngine, RequestOutput
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -35,6 +35,9 @@ def tenant_label(tenant: str | None, cache_salt: str | None) -> str:
     return "none"
 
 
+Metric = GaugeMetricFamily | CounterMetricFamily
+
+
 class EngineCollector(Collector):
     """Gauges and counters from the engine's latest snapshot, taken on its own thread."""
 
@@ -42,22 +45,20 @@ class EngineCollector(Collector):
         self.engine = engine
         self.model_name = model_name
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def _gauge(self, name: str, doc: str, v: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        g.add_metric([self.model_name], v)
+        return g
+
+    def _counter(self, name: str, doc: str, v: float) -> CounterMetricFamily:
+        m = CounterMetricFamily(name, doc, labels=["model_name"])
+        m.add_metric([self.model_name], v)
+        return m
+
+    def collect(self) -> Iterator[Metric]:
         stats = self.engine.stats
         kv, c = stats.kv, stats.kv.counters
-        labels = ["model_name"]
-        value = [self.model_name]
-
-        def gauge(name: str, doc: str, v: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(value, v)
-            return g
-
-        def counter(name: str, doc: str, v: float) -> CounterMetricFamily:
-            m = CounterMetricFamily(name, doc, labels=labels)
-            m.add_metric(value, v)
-            return m
-
+        gauge, counter = self._gauge, self._counter
         yield gauge("vllm:num_requests_running", "Requests in the running batch.",
                     stats.num_running)
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
@@ -106,38 +107,59 @@ class EngineCollector(Collector):
         for reason in FreeReason:
             frees.add_metric([self.model_name, reason.value], c.frees_by_reason.get(reason, 0))
         yield frees
-        if kv.host is None:
-            return
-        host, hc = kv.host, kv.host.counters
         for name, doc, v in (
-            ("kvserve:kv_host_slots", "Slots (blocks) in the host KV tier.", host.num_slots),
-            ("kvserve:kv_host_free_slots", "Host slots holding nothing.", host.num_free_slots),
-            ("kvserve:kv_host_ready_slots", "Host slots holding a hit-able block.",
-             host.num_ready_slots),
-            ("kvserve:kv_host_storing_slots", "Host slots whose copy from the device is not yet "
-             "confirmed.", host.num_storing_slots),
-            ("kvserve:kv_host_pinned_slots", "Host slots an in-flight load reads.",
-             host.num_pinned_slots),
-            ("kvserve:kv_host_usage_perc", "Host tier usage (1 = every slot used).", host.usage),
-        ):
-            yield gauge(name, doc, v)
-        for name, doc, v in (
-            ("kvserve:kv_host_hit_blocks", "Prefix blocks served from the host tier.",
-             hc.hit_blocks),
-            ("kvserve:kv_host_hit_tokens", "Prompt tokens served from the host tier (also in "
-             "vllm:prefix_cache_hits).", hc.hit_tokens),
-            ("kvserve:kv_host_stores", "Evicted device blocks copied to the host tier.",
-             hc.stores),
-            ("kvserve:kv_host_loads", "Host blocks copied back to the device.", hc.loads),
-            ("kvserve:kv_host_evictions", "Host blocks dropped to make room.", hc.evictions),
-            ("kvserve:kv_host_dropped_stores", "Evicted device blocks not kept: every host slot "
-             "was busy.", hc.dropped_stores),
-            ("kvserve:kv_host_cancelled_copies", "Copies between the tiers undone before they "
-             "were confirmed.", hc.cancelled_stores + hc.cancelled_loads),
-            ("kvserve:kv_host_hash_collisions", "Host hash matches refused by the token "
-             "re-check.", hc.hash_collisions),
+            ("kvserve:kv_swap_outs", "Preemptions by swapping: KV copied to the host tier.",
+             c.swapped_out_requests),
+            ("kvserve:kv_swap_ins", "Swapped-out requests resumed: KV copied back.",
+             c.swapped_in_requests),
+            ("kvserve:kv_swap_fallbacks", "Swaps refused (host tier full) or lost (failed "
+             "step): recomputed instead.", c.swap_fallbacks),
         ):
             yield counter(name, doc, v)
+        for tier in (kv.host, kv.disk):
+            if tier is not None:
+                yield from self._tier_metrics("host" if tier is kv.host else "disk", tier)
+
+    def _tier_metrics(self, name: str, tier: HostTierStats) -> Iterator[Metric]:
+        """`kvserve:kv_host_*` or `kvserve:kv_disk_*`: one tier's census and counters."""
+        gauge, counter = self._gauge, self._counter
+        tc = tier.counters
+        above = "device" if name == "host" else "host tier"
+        p = f"kvserve:kv_{name}"
+        for metric, doc, v in (
+            (f"{p}_slots", f"Slots (blocks) in the {name} KV tier.", tier.num_slots),
+            (f"{p}_free_slots", f"{name.title()} slots holding nothing.", tier.num_free_slots),
+            (f"{p}_ready_slots", f"{name.title()} slots holding a hit-able block.",
+             tier.num_ready_slots),
+            (f"{p}_storing_slots", f"{name.title()} slots whose copy from the {above} is not "
+             "yet confirmed.", tier.num_storing_slots),
+            (f"{p}_pinned_slots", f"{name.title()} slots an in-flight load reads.",
+             tier.num_pinned_slots),
+            (f"{p}_swapped_slots", f"{name.title()} slots private to swapped-out requests.",
+             tier.num_swapped_slots),
+            (f"{p}_usage_perc", f"{name.title()} tier usage (1 = every slot used).", tier.usage),
+        ):
+            yield gauge(metric, doc, v)
+        for metric, doc, v in (
+            (f"{p}_hit_blocks", f"Prefix blocks served from the {name} tier.", tc.hit_blocks),
+            (f"{p}_hit_tokens", f"Prompt tokens served from the {name} tier (also in "
+             "vllm:prefix_cache_hits).", tc.hit_tokens),
+            (f"{p}_stores", f"Blocks evicted from the {above} copied to the {name} tier.",
+             tc.stores),
+            (f"{p}_loads", f"{name.title()} blocks copied back to the device.", tc.loads),
+            (f"{p}_evictions", f"{name.title()} blocks given up to make room.", tc.evictions),
+            (f"{p}_dropped_stores", f"Blocks evicted from the {above} not kept: every {name} "
+             "slot was busy.", tc.dropped_stores),
+            (f"{p}_cancelled_copies", f"Copies into or out of the {name} tier undone before "
+             "they were confirmed.", tc.cancelled_stores + tc.cancelled_loads),
+            (f"{p}_hash_collisions", f"{name.title()} hash matches refused by the token "
+             "re-check.", tc.hash_collisions),
+            (f"{p}_swapped_out_blocks", f"Blocks of swapped-out requests copied to the {name} "
+             "tier.", tc.swapped_out_blocks),
+            (f"{p}_swapped_in_blocks", f"Blocks of swapped-out requests copied back from the "
+             f"{name} tier.", tc.swapped_in_blocks),
+        ):
+            yield counter(metric, doc, v)
 
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
