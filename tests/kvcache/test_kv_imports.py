@@ -169,3 +169,18 @@ def test_an_idle_import_is_reaped_after_the_timeout() -> None:
     m.reap(idle_timeout_s=10.0)
     assert "r" not in m.imports.imports
     assert [pins for _, pins in slots(m)] == [0, 0, 0, 0]
+
+
+def test_an_import_over_a_disk_tier_evicts_host_slots_without_demoting_them() -> None:
+    """An import writes its host slots at once, outside any step; a demotion of the slot it
+    took would be copied at the next step and read the import's bytes under the old hash."""
+    m = KVCacheManager(num_blocks=8, block_size=BS, num_host_slots=3, num_disk_slots=4,
+                       model_id="m")
+    import_all(m, "a")
+    m.imports.cancel("a")  # its three blocks stay as ordinary READY host cache
+    assert [s.state for s in m.transfers.host.slots] == [SlotState.READY] * 3
+    import_all(m, "b", [t + 100 for t in PROMPT])  # a full host tier: three evictions
+    assert m.transfers.host.counters.evictions == 3
+    assert not m.transfers.disk_stores and not m.transfers.disk.storing  # dropped, not demoted
+    m.imports.cancel("b")
+    assert m.check_idle_quick().ok and m.check_idle().ok, m.check_idle().describe()

@@ -154,13 +154,16 @@ class SlotPool:
         )
 
     def reserve(
-        self, block_hash: bytes, parent_hash: bytes | None, token_bytes: bytes, salt: str | None
+        self, block_hash: bytes, parent_hash: bytes | None, token_bytes: bytes, salt: str | None,
+        *, demote: bool = True,
     ) -> HostSlot | None:
         """A STORING slot (new epoch) for a block about to be copied in: a free slot, else the
-        least recently used unpinned READY slot (evicted). None, changing nothing, if every
-        slot is storing or pinned."""
+        least recently used unpinned READY slot (evicted; handed to `on_evict` only when
+        `demote`). None, changing nothing, if every slot is storing or pinned. A caller that
+        writes the slot before the next step runs its copies (an import) must pass
+        demote=False: a demotion copy scheduled for that step would read the new content."""
         assert not self.contains(block_hash), f"block {block_hash.hex()[:8]} is already kept"
-        slot = self._take_slot()
+        slot = self._take_slot(demote)
         if slot is None:
             self.counters.dropped_stores += 1
             return None
@@ -256,7 +259,7 @@ class SlotPool:
         """READY slot ids, least recently used first; for tests and debugging."""
         return [slot.slot_id for slot in self.lru.values()]
 
-    def _take_slot(self) -> HostSlot | None:
+    def _take_slot(self, demote: bool = True) -> HostSlot | None:
         """A free slot, else the least recently used unpinned READY one (evicted, handed to
         `on_evict` first), with a new epoch; None, changing nothing, when every slot is busy."""
         if self.free_ids:
@@ -266,7 +269,7 @@ class SlotPool:
             if victim is None:
                 return None
             assert victim.block_hash is not None
-            if self.on_evict is not None:
+            if self.on_evict is not None and demote:
                 self.on_evict(victim)
             del self.lru[victim.block_hash]
             victim.clear_content()

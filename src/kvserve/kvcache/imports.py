@@ -136,7 +136,9 @@ class KVImports:
         if self.host.contains(block_hash):
             return None  # STORING for someone else (an offload, another import)
         parent = record.block_hashes[block_idx - 1] if block_idx else None
-        slot = self.host.reserve(block_hash, parent, token_bytes, record.salt)
+        # Written now, outside the step's copies: an evicted slot is dropped, not demoted to the
+        # disk tier (that copy would run at the next step and read this import's bytes).
+        slot = self.host.reserve(block_hash, parent, token_bytes, record.salt, demote=False)
         if slot is None:
             return None
         imp.reserved[slot.slot_id] = slot.epoch

@@ -29,8 +29,9 @@ from kvserve.kvcache.ledger import Ledger, LedgerEntry, RequestRecord
 from kvserve.kvcache.prefix_hits import TierSlots, claim_prefix_hit, find_prefix_hit
 from kvserve.kvcache.publishing import announce, publish, withdraw
 from kvserve.kvcache.stats import KVCacheCounters, KVCacheStats
-from kvserve.kvcache.swapping import finish_swap_in, start_swap_in, start_swap_out
-from kvserve.kvcache.transfers import KVTransfers, LoadSource, TransferLedger
+from kvserve.kvcache.step_copies import cancel_step_copies, complete_step_copies
+from kvserve.kvcache.swapping import start_swap_in, start_swap_out
+from kvserve.kvcache.transfers import KVTransfers, TransferLedger
 from kvserve.kvcache.types import FreeReason, PrefixHit, SlotAllocation
 
 
@@ -57,8 +58,7 @@ class KVCacheManager:
             raise ValueError("a disk tier keeps what the host tier evicts, so it needs a host "
                              "tier; give num_host_slots > 0 or num_disk_slots=0")
         self.counters = KVCacheCounters()
-        # The host tier under the pool (None: off): evicted cached blocks are offloaded to it;
-        # the disk tier under the host tier (optional) keeps what the host tier evicts.
+        # The host tier (None: off) keeps what the pool evicts; the disk tier what the host does.
         disk = SlotPool(num_disk_slots, name="disk") if num_disk_slots else None
         self.transfers = (TransferLedger(HostTier(num_host_slots), disk) if num_host_slots
                           else None)
@@ -76,7 +76,6 @@ class KVCacheManager:
         self._clock = clock
 
     # -- requests -------------------------------------------------------------------------
-
     def add_request(
         self,
         request_id: str,
@@ -238,7 +237,6 @@ class KVCacheManager:
         return num_blocks
 
     # -- integrity ------------------------------------------------------------------------
-
     def verify(self, request_id: str, checksums: Mapping[int, int] | None = None) -> None:
         """Prove the request's blocks are still its own before a step reads them.
 
@@ -260,11 +258,8 @@ class KVCacheManager:
         self.pool.blocks[block_id].checksum = checksum
 
     def audit(self, live_request_ids: Collection[str] | None = None) -> AuditReport:
-        """Check every invariant in O(num_blocks + table entries); see `run_audit`.
-
-        With `live_request_ids` (the engine's view), a ledger entry for any other request is a
-        leak. The report is structured; it never raises.
-        """
+        """Check every invariant in O(num_blocks + table entries) (`run_audit`, `audit_tiers`);
+        with `live_request_ids` (the engine's view), any other request's entry is a leak."""
         report = run_audit(self.pool, self.ledger, live_request_ids, self.pending)
         if self.transfers is not None:
             report = audit_tiers(report, self.transfers, self.ledger, live_request_ids,
@@ -303,7 +298,6 @@ class KVCacheManager:
         return [r.request_id for r in reaped]
 
     # -- views ----------------------------------------------------------------------------
-
     def block_table(self, request_id: str) -> list[int]:
         return self._record(request_id).block_ids
 
@@ -349,7 +343,6 @@ class KVCacheManager:
         return True
 
     # -- preemption by swapping -----------------------------------------------------------
-
     def swap_out(self, request_id: str) -> bool:
         """Preempt by swapping (swapping.py): the request's computed KV is copied to host slots
         private to it and its device blocks are released; it stays live, its computed tokens
@@ -377,7 +370,6 @@ class KVCacheManager:
         return SlotAllocation(tuple(b.block_id for b in blocks), record.num_cached_tokens)
 
     # -- copies between the tiers ---------------------------------------------------------
-
     def take_transfers(self) -> KVTransfers:
         """The copies the allocations since the last take scheduled: this step's transfers."""
         return self.transfers.take() if self.transfers else KVTransfers()
@@ -385,35 +377,16 @@ class KVCacheManager:
     def complete_transfers(self, transfers: KVTransfers) -> None:
         """The step that ran `transfers` completed: stored slots become READY (or SWAPPED) and
         loaded blocks are published (hit-able), never earlier."""
-        if self.transfers is None:
-            assert not transfers, "transfers without a host tier"
-            return
-        for load in self.transfers.complete(transfers):
-            record = self.ledger.get(load.request_id)
-            assert record is not None, "a freed request's loads are cancelled at free"
-            if load.source is LoadSource.SWAP:
-                finish_swap_in(self.pool, self.transfers, record, load,
-                               self.enable_prefix_caching)
-                continue
-            withdraw(self.pending, record, [record.block_hashes[load.block_idx]])
-            publish(self.pool, record, load.block_idx)
+        complete_step_copies(self, transfers)
 
     def cancel_transfers(self, transfers: KVTransfers) -> set[str]:
         """The step that was to run `transfers` failed: nothing it copied becomes readable and
         every pin is released. A request whose swap-out it carried is freed (its KV is lost:
         the caller recomputes it, and sees `has_request` False). Returns the requests whose
         loaded KV is missing; the caller must end them (free is the one path)."""
-        if self.transfers is None:
-            return set()
-        lost = self.transfers.swap_owners(transfers)
-        failed = self.transfers.cancel(transfers)
-        for request_id in lost:
-            self.counters.swap_fallbacks += 1
-            self.free(request_id, FreeReason.PREEMPTED)
-        return failed
+        return cancel_step_copies(self, transfers)
 
     # -- internals ------------------------------------------------------------------------
-
     def _record(self, request_id: str) -> RequestRecord:
         record = self.ledger.get(request_id)
         if record is None:
