@@ -14,11 +14,6 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
-import torch
-
-from kvserve.engine import SamplingParams
-from kvserve.runtime import EngineArgs, LLMEngine
-
 MODES = ("recompute", "swap")
 
 
@@ -55,6 +50,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch  # here, not at import: every `kvserve` command builds this parser
+
+    from kvserve.engine import SamplingParams
+    from kvserve.runtime import EngineArgs, LLMEngine
+
     gen = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(10, 500, (args.prompt_len,), generator=gen).tolist()
                for _ in range(args.num_prompts)]
