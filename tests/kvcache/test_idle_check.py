@@ -11,6 +11,7 @@ from kvserve.kvcache.host_tier import HostTier
 from kvserve.kvcache.idle_check import quick_idle_report
 from tests.kvcache.planted_scenarios import play
 from tests.kvcache.test_planted_host_tier import fresh
+from tests.kvcache.test_planted_leaks import free_ignoring_aborts
 
 
 def _drained(forget_r2: bool = False):
@@ -39,23 +40,12 @@ def test_a_clean_idle_cache_passes_from_counts_alone() -> None:
     assert quick.num_free_cached > 0  # the scenario leaves cached blocks behind
 
 
-def _free_ignoring_aborts(monkeypatch: pytest.MonkeyPatch) -> None:
-    original = KVCacheManager.free
-
-    def free(self: KVCacheManager, request_id: str, reason: FreeReason = FreeReason.FINISHED):
-        if reason is FreeReason.ABORTED:
-            return 0  # BUG: the abort path returns early and releases nothing
-        return original(self, request_id, reason)
-
-    monkeypatch.setattr(KVCacheManager, "free", free)
-
-
 @pytest.mark.parametrize("how", ["manager_free_skips_aborted", "engine_never_calls_free"])
 def test_a_request_left_in_the_ledger_is_caught_and_named(
     monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     if how == "manager_free_skips_aborted":
-        _free_ignoring_aborts(monkeypatch)
+        free_ignoring_aborts(monkeypatch)
     eng, leaked = _drained(forget_r2=how == "engine_never_calls_free")
     quick = _quick_alone(eng.mgr)
     assert quick.kinds() == {ViolationKind.LEAK, ViolationKind.HELD_WHILE_IDLE}

@@ -20,7 +20,7 @@ def test_scenario_is_clean_without_the_bug(name: str) -> None:
     assert_clean_without_the_bug(name)
 
 
-def _free_ignoring_aborts(monkeypatch: pytest.MonkeyPatch) -> None:
+def free_ignoring_aborts(monkeypatch: pytest.MonkeyPatch) -> None:
     original = KVCacheManager.free
 
     def free(self: KVCacheManager, request_id: str, reason: FreeReason = FreeReason.FINISHED):
@@ -36,7 +36,7 @@ def test_b_leaked_request_is_named_with_its_blocks(
     monkeypatch: pytest.MonkeyPatch, how: str
 ) -> None:
     if how == "manager_free_skips_aborted":
-        _free_ignoring_aborts(monkeypatch)
+        free_ignoring_aborts(monkeypatch)
     eng, rest = play("abort_mid_prefill", 2, forget_r2=how == "engine_never_calls_free")
     leaked = eng.table("r2")
 
