@@ -3,13 +3,12 @@
 A hypothesis state machine plays the engine: it adds requests (a few shared prefixes, random
 suffixes, three tenants), admits them with their prefix hit (sometimes a hit stashed earlier in
 the step), prefills in chunks, decodes, aborts / preempts / finishes (sometimes twice), forgets
-some requests (leaks), advances a fake clock and reaps, all under memory pressure. With a host
-tier (HostTierMachine: a small device pool over host slots), evictions offload, hits load,
-steps confirm or fail their copies, and KV imported from a prefill worker lands in host slots
-(cancelled, left open, or taken over by its request's admission). Its own model of the
-engine's live set and of what each tenant has written (stateful_model.py) is checked against
-the cache after every step: the audit, `verify`, the block census, the KV-event index and the
-hit rules.
+some requests (leaks), advances a fake clock and reaps, all under memory pressure. Its own model
+of the engine's live set and of what each tenant has written (stateful_model.py) is checked
+against the cache after every step: the audit, `verify`, the block census, the KV-event index
+and the hit rules. test_stateful_tiers.py runs the same engine over a host tier (evictions
+offload, hits load, steps confirm or fail their copies, KV imported from a prefill worker lands
+in host slots), then with a disk tier and swapping too.
 """
 
 from __future__ import annotations
@@ -309,106 +308,3 @@ KVCacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestKVCacheMachine = KVCacheMachine.TestCase
-
-
-class HostTierMachine(KVCacheMachine):
-    """The same engine over a device pool small enough to evict all the time, with a host tier
-    (sometimes smaller than the pool) that keeps what it evicts."""
-
-    @initialize(
-        num_blocks=st.integers(6, 14),
-        block_size=st.integers(2, 3),
-        num_host_slots=st.integers(1, 16),
-    )
-    def setup(self, num_blocks: int, block_size: int, num_host_slots: int) -> None:
-        self._model = EngineModel(num_blocks, block_size, num_host_slots)
-
-    @rule(
-        salt=st.sampled_from(TENANTS),
-        prefix=st.sampled_from(PREFIXES),
-        suffix=st.lists(st.integers(0, 3), max_size=6),
-        step_fails=st.sampled_from([False, False, False, True]),
-    )
-    def short_request(
-        self, salt: str | None, prefix: tuple[int, ...], suffix: list[int], step_fails: bool
-    ) -> None:
-        """A request whose whole prompt runs in one step and that then finishes: it leaves its
-        prefix cached, for later admissions to evict into the host tier and hit again. When its
-        step fails, the step's copies are undone and the request ends with an error."""
-        model = self.model
-        rid = f"s{model.next_id}"
-        model.next_id += 1
-        tokens = [*prefix, *suffix]
-        model.mgr.add_request(rid, tokens, cache_salt=salt)
-        model.live[rid] = Req(tokens, salt, model.clock.now)
-        hit = model.mgr.lookup(rid)
-        model.check_hit(rid, hit)
-        if model.allocate(rid, len(tokens) - hit.num_tokens, hit):
-            if step_fails:
-                model.fail_step()  # ends `rid` if it loaded from the host tier
-                if model.live.pop(rid, None) is not None:
-                    model.mgr.free(rid, FreeReason.ERROR)
-            else:
-                model.commit(rid, len(tokens))
-                model.live.pop(rid)
-                assert model.mgr.free(rid) == model.num_blocks_for(len(tokens))
-            model.settle_if_idle()
-
-
-    @rule(
-        data=st.data(),
-        salt=st.sampled_from(TENANTS),
-        prefix=st.sampled_from(PREFIXES),
-        suffix=st.lists(st.integers(0, 3), max_size=6),
-        then=st.sampled_from(["attach", "attach", "cancel", "keep open"]),
-    )
-    def import_prompt(self, data: st.DataObject, salt: str | None, prefix: tuple[int, ...],
-                      suffix: list[int], then: str) -> None:
-        """KV for a prompt arrives from a prefill worker: some of its blocks are reserved and
-        confirmed (the last one maybe left reserved), then the transfer fails (cancel), goes on
-        (kept open), or completes and its request is queued (attach): admitted later by the
-        ordinary rules, through the host-tier hit."""
-        model, imports = self.model, self.model.mgr.imports
-        assert imports is not None
-        rid = f"i{model.next_id}"
-        model.next_id += 1
-        tokens = [*prefix, *suffix]
-        plan = imports.open(rid, tokens, salt)
-        num = data.draw(st.integers(0, plan.num_blocks), label="blocks received")
-        bs = model.bs
-        for offset in range(num):
-            idx = plan.first_block + offset
-            grant = imports.reserve(rid, idx, plan.block_hashes[offset])
-            if grant is None:
-                event("import: no host room")
-                break
-            if grant.needs_write and then != "attach" and offset == num - 1 and data.draw(
-                    st.booleans(), label="leave the last one reserved"):
-                break
-            if grant.needs_write:
-                imports.confirm(rid, grant)
-            model.written.add((salt, tuple(tokens[: (idx + 1) * bs])))
-        if then == "cancel":
-            imports.cancel(rid)
-        elif then == "keep open":
-            model.open_imports.add(rid)
-        else:
-            imports.attach(rid)
-            model.mgr.add_request(rid, tokens, cache_salt=salt)
-            model.live[rid] = Req(tokens, salt, model.clock.now)
-            event("import attached")
-
-    @precondition(lambda self: self.model.open_imports)
-    @rule(data=st.data())
-    def end_open_import(self, data: st.DataObject) -> None:
-        """A transfer that was still running fails or is aborted: its import is cancelled."""
-        rid = self._pick(data, list(self.model.open_imports))
-        self.model.open_imports.discard(rid)
-        assert self.model.mgr.imports is not None
-        self.model.mgr.imports.cancel(rid)
-        assert rid not in self.model.mgr.imports.imports
-
-
-HostTierMachine.TestCase.settings = settings(KVCacheMachine.TestCase.settings, max_examples=150)
-TestHostTierMachine = HostTierMachine.TestCase
-
