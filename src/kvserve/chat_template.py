@@ -53,28 +53,8 @@ class ChatTemplate:
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> ChatTemplate:
-        """From ``tokenizer_config.json`` (its ``chat_template``: a string, or a list of named
-        templates of which ``default`` and ``tool_use`` are used), else ``chat_template.jinja``.
-        A directory with neither has no template (`source` None)."""
-        path = Path(path)
-        config: dict[str, Any] = {}
-        config_file = path / "tokenizer_config.json"
-        if config_file.is_file():
-            try:
-                config = json.loads(config_file.read_text(encoding="utf-8"))
-            except (OSError, ValueError) as exc:
-                raise ChatTemplateLoadError(f"{config_file}: cannot read it as JSON ({exc})") \
-                    from exc
-        template = config.get("chat_template")
-        tool_template = None
-        if isinstance(template, list):
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template, tool_template = named.get("default"), named.get("tool_use")
-        jinja_file = path / "chat_template.jinja"
-        if template is None and jinja_file.is_file():
-            template = jinja_file.read_text(encoding="utf-8")
-        return cls(template, tool_template, _token_text(config.get("bos_token")),
-                   _token_text(config.get("eos_token")))
+        """The template of a model directory (`read_template_sources`), compiled."""
+        return cls(*read_template_sources(path))
 
     @property
     def available(self) -> bool:
@@ -103,6 +83,32 @@ class ChatTemplate:
             raise
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+
+def read_template_sources(path: str | Path) -> tuple[str | None, str | None, str | None,
+                                                    str | None]:
+    """(template, tool-use template, bos token, eos token) of a model directory, uncompiled:
+    from ``tokenizer_config.json`` (its ``chat_template``: a string, or a list of named
+    templates of which ``default`` and ``tool_use`` are used), else ``chat_template.jinja``.
+    A directory with neither has no template (None)."""
+    path = Path(path)
+    config: dict[str, Any] = {}
+    config_file = path / "tokenizer_config.json"
+    if config_file.is_file():
+        try:
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ChatTemplateLoadError(f"{config_file}: cannot read it as JSON ({exc})") from exc
+    template = config.get("chat_template")
+    tool_template = None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template, tool_template = named.get("default"), named.get("tool_use")
+    jinja_file = path / "chat_template.jinja"
+    if template is None and jinja_file.is_file():
+        template = jinja_file.read_text(encoding="utf-8")
+    return (template, tool_template, _token_text(config.get("bos_token")),
+            _token_text(config.get("eos_token")))
 
 
 def _compile(source: str | None) -> jinja2.Template | None:

@@ -14,7 +14,12 @@ from typing import Any
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from kvserve.chat_template import ChatTemplate, ChatTemplateError, ChatTemplateLoadError
+from kvserve.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    ChatTemplateLoadError,
+    read_template_sources,
+)
 from kvserve.model.errors import ModelLoadError
 
 __all__ = ["ChatTemplateError", "Tokenizer"]
@@ -53,12 +58,12 @@ class Tokenizer:
             tokenizer = _HFTokenizer.from_file(str(tok_file))
         except Exception as exc:  # the Rust library raises plain Exception
             raise ModelLoadError(f"{tok_file}: cannot load it with tokenizers ({exc})") from exc
-        try:
-            chat = ChatTemplate.from_model_dir(path)
+        try:  # compiled once, by __init__
+            template, tool_template, bos, eos = read_template_sources(path)
         except ChatTemplateLoadError as exc:
             raise ModelLoadError(str(exc)) from exc
-        return cls(tokenizer, bos_token=chat.bos_token, eos_token=chat.eos_token,
-                   chat_template=chat.source, tool_chat_template=chat.tool_source)
+        return cls(tokenizer, bos_token=bos, eos_token=eos, chat_template=template,
+                   tool_chat_template=tool_template)
 
     @property
     def vocab_size(self) -> int:
