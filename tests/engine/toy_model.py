@@ -74,11 +74,13 @@ class PagedToyModel:
         for disk_load in output.kv_transfers.disk_loads:
             start = disk_load.block_id * bs
             self.slots[start : start + bs] = self.disk[disk_load.disk_slot]
-        sampled = {}
+        # Like a real model's layers: the whole step's KV is written before any token reads.
         for item in output.scheduled:
             for j, token in enumerate(item.token_ids):
                 self.slots[self.slot(item.block_table, item.start + j)] = (token, item.start + j)
             self.tokens_computed += item.num_new_tokens
+        sampled = {}
+        for item in output.scheduled:
             if item.sample:
                 context = []
                 for pos in range(item.start + item.num_new_tokens):

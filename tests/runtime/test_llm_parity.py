@@ -90,3 +90,21 @@ def test_n_samples_share_the_prompt(arch, checkpoints):
     assert [o.token_ids for o in done.outputs] == [expected] * 3
     assert done.num_cached_tokens == 20  # siblings hit the prompt's five full blocks
     assert_no_blocks_held(engine)
+
+
+def test_a_burst_sharing_a_prefix_prefills_in_one_step(arch, checkpoints):
+    # The first request writes the 6-block prefix; the others share its blocks in flight and
+    # attend to them through the prefill cascade, all in the same forward pass.
+    path = checkpoints[arch]
+    prefix = random_prompt(24, seed=11)
+    prompts = {f"b{i}": prefix + random_prompt(n, seed=12 + i) for i, n in enumerate((3, 5, 5, 2))}
+    engine = make_engine(path)
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, GREEDY)
+    first_step = engine.step()
+    assert sorted(o.request_id for o in first_step if o.outputs[0].token_ids) == sorted(prompts)
+    done = run_to_completion(engine)
+    for rid, prompt in prompts.items():
+        assert done[rid].outputs[0].token_ids == hf_greedy(path, prompt, 12), rid
+    assert sorted(done[rid].num_cached_tokens for rid in prompts) == [0, 24, 24, 24]
+    assert_no_blocks_held(engine)

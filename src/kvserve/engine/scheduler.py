@@ -6,6 +6,9 @@ waiting ones in arrival order. When blocks run out, the most recently admitted r
 preempted: by recompute (its blocks freed, its KV recomputed later; its cached prefix blocks stay
 hit-able) or, in swap mode, by swapping (its KV copied to host slots private to it and back when
 it resumes, nothing recomputed; recompute when the host tier has no room).
+A waiting request whose prompt blocks another request is computing waits and hits them, unless
+that request writes them in the very step being planned: then it shares them at once, in the
+same forward pass, and leaves the step with it if it fails (see `KVCacheManager.lookup`).
 With a host tier, each step also carries the copies between the tiers its allocations need
 (`SchedulerOutput.kv_transfers`), confirmed in `commit_step` or undone in `abandon_step`.
 """
@@ -35,12 +38,15 @@ class ScheduledRequest:
 
     `block_table` lists the physical blocks holding the request's whole context. `sample` is
     True when this chunk reaches the end of the request's tokens, so its last logits are used.
+    `joined`: the requests of the same step that write some of its context's blocks (it shares
+    their prompt blocks in flight); it may run only in a step that runs them too.
     """
 
     request: Request
     start: int
     num_new_tokens: int
     block_table: tuple[int, ...]
+    joined: tuple[str, ...] = ()
 
     @property
     def sample(self) -> bool:
@@ -133,6 +139,9 @@ class Scheduler:
         self._expire(now, out)
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
+        # Tokens whose KV this step will have written, per request planned into it so far: a
+        # request admitted later in the step may share their prompt blocks in flight.
+        in_flight: dict[str, int] = {}
 
         idx = 0
         while idx < len(self.running) and budget > 0:
@@ -141,6 +150,7 @@ class Scheduler:
             if not self._allocate_or_preempt(request, num_new, out):
                 break  # the request itself was preempted: everything after it already was
             scheduled.append(self._scheduled(request, num_new))
+            in_flight[request.request_id] = request.num_computed_tokens + num_new
             budget -= num_new
             idx += 1
 
@@ -155,16 +165,18 @@ class Scheduler:
                 if kv.swap_in(request.request_id, num_new) is None:
                     break  # first come, first served, swapped-out requests included
                 self._admit(request, num_new, scheduled)
+                in_flight[request.request_id] = request.num_computed_tokens + num_new
                 budget -= num_new
                 continue
             if not kv.has_request(request.request_id):
                 kv.add_request(request.request_id, request.all_token_ids,
                                cache_salt=request.cache_salt)
-            hit = kv.lookup(request.request_id)
+            hit = kv.lookup(request.request_id, in_flight)
             if hit.num_pending_tokens:
-                # Another running request is computing this prompt's next blocks (an n > 1
-                # sibling, a burst sharing a system prompt): wait and hit them, rather than
-                # computing them twice. Later requests may go first meanwhile.
+                # Another running request is computing this prompt's next blocks in a later
+                # step (an n > 1 sibling, a burst sharing a system prompt, chunked): wait and
+                # hit them, rather than computing them twice. Later requests may go first
+                # meanwhile. Blocks written in this very step are shared now (`in_flight`).
                 skipped.append(self.waiting.popleft())
                 continue
             num_new = min(request.num_tokens - hit.num_tokens, budget)
@@ -173,7 +185,8 @@ class Scheduler:
             request.num_computed_tokens = hit.num_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit.num_tokens
-            self._admit(request, num_new, scheduled)
+            self._admit(request, num_new, scheduled, hit.in_flight_owners)
+            in_flight[request.request_id] = hit.num_tokens + num_new
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
@@ -195,12 +208,13 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, request: Request, num_new: int, scheduled: list[ScheduledRequest]) -> None:
+    def _admit(self, request: Request, num_new: int, scheduled: list[ScheduledRequest],
+               joined: tuple[str, ...] = ()) -> None:
         """The head of the queue got its slots: it runs from this step on."""
         self.waiting.popleft()
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        scheduled.append(self._scheduled(request, num_new))
+        scheduled.append(self._scheduled(request, num_new, joined))
 
     def _preempt(self, request: Request) -> None:
         # A swapped-out request keeps its computed tokens (a waiting request with computed
@@ -216,9 +230,21 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int,
+                   joined: tuple[str, ...] = ()) -> ScheduledRequest:
         table = tuple(self.kv_cache.block_table(request.request_id))
-        return ScheduledRequest(request, request.num_computed_tokens, num_new, table)
+        return ScheduledRequest(request, request.num_computed_tokens, num_new, table, joined)
+
+    def _recompute_later(self, requests: list[Request]) -> None:
+        """Send admitted requests back to the head of the queue with nothing computed: they
+        shared blocks in flight that their step will not write after all."""
+        for request in reversed(requests):
+            self.running.remove(request)
+            self.kv_cache.free(request.request_id, FreeReason.PREEMPTED)
+            request.num_computed_tokens = 0
+            request.num_cached_tokens = -1
+            request.status = RequestStatus.WAITING
+            self.waiting.appendleft(request)
 
     def _verified(
         self, scheduled: list[ScheduledRequest], out: SchedulerOutput
@@ -232,7 +258,15 @@ class Scheduler:
                 out.finished.append(item.request)
                 continue
             kept.append(item)
-        return kept
+        # A request that shares blocks in flight leaves with their writer (repeated: a joiner
+        # may itself be the writer of another's blocks).
+        while True:
+            running = {item.request.request_id for item in kept}
+            orphans = [item.request for item in kept if not running.issuperset(item.joined)]
+            if not orphans:
+                return kept
+            self._recompute_later(orphans)
+            kept = [item for item in kept if item.request.status is RequestStatus.RUNNING]
 
     def _expire(self, now: float, out: SchedulerOutput) -> None:
         expired = [r for r in (*self.running, *self.waiting)
@@ -269,6 +303,9 @@ class Scheduler:
                  if item.request.request_id in failed and not item.request.is_finished]
         for request in ended:
             self.finish(request, FinishReason.ERROR, error=error)
+        # What they shared in flight was never written: they recompute from the start.
+        self._recompute_later([item.request for item in output.scheduled
+                               if item.joined and not item.request.is_finished])
         for request in self.waiting:  # a swap-out the step carried is lost: recompute
             if request.num_computed_tokens and not self.kv_cache.has_request(request.request_id):
                 request.num_computed_tokens = 0

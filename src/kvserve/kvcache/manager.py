@@ -36,11 +36,9 @@ from kvserve.kvcache.types import FreeReason, PrefixHit, SlotAllocation
 
 
 class KVCacheManager:
-    """Paged KV cache with automatic prefix caching for many requests and tenants.
-
-    Pure bookkeeping (no tensors): it decides which physical blocks hold which tokens. Single
-    threaded: the engine's step loop owns it. Contracts: DESIGN.md, "Invariants of the KV cache".
-    """
+    """Paged KV cache with automatic prefix caching for many requests and tenants. Pure
+    bookkeeping (no tensors): which physical blocks hold which tokens. Single threaded: the
+    engine's step loop owns it. Contracts: DESIGN.md, "Invariants of the KV cache"."""
 
     def __init__(
         self,
@@ -104,15 +102,22 @@ class KVCacheManager:
         record.token_ids.extend(token_ids)
         record.last_active = self._clock()
 
-    def lookup(self, request_id: str) -> PrefixHit:
+    def lookup(self, request_id: str, in_flight: Mapping[str, int] | None = None) -> PrefixHit:
         """The longest cached head of the request's tokens: device blocks, then READY host
         slots, then READY disk slots. Read-only: changes no refcount, queue position, pin or hit
         statistic (a refused hash collision is counted). Capped so that at least one token is
-        left to compute."""
+        left to compute.
+
+        `in_flight`: requests planned into the step being scheduled -> tokens whose KV it will
+        have written; a device-only head then also takes the prompt blocks they write in it.
+        Such a hit is for that step only: the joiner must run in the same forward pass as its
+        `in_flight_owners` (each layer writes the step's K/V before any token attends), and be
+        freed and recomputed if an owner leaves the step or the step fails."""
         record = self._record(request_id)
         if not self.enable_prefix_caching or record.block_table or record.swap_slots:
             return PrefixHit()
-        return find_prefix_hit(self.pool, self.transfers, self.pending, record)
+        return find_prefix_hit(self.pool, self.transfers, self.pending, record, in_flight,
+                               self.ledger)
 
     def allocate_slots(
         self, request_id: str, num_new_tokens: int, prefix_hit: PrefixHit | None = None
@@ -270,7 +275,7 @@ class KVCacheManager:
         return report
 
     def check_idle(self) -> AuditReport:
-        """The idle check with the full audit: with no live request, zero blocks may be held."""
+        """The idle check with the full audit: with no live request, no block may be held."""
         return self.audit(live_request_ids=())
 
     def check_idle_quick(self) -> AuditReport:
@@ -328,9 +333,8 @@ class KVCacheManager:
         return self.pool.drain_events()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block in every tier; refused (False) while any block is held,
-        any request is swapped out, any import is open or any copy between the tiers is
-        unconfirmed."""
+        """Forget every cached block in every tier; refused (False) while a block is held, a
+        request swapped out, an import open or a copy between the tiers unconfirmed."""
         tiers = self.transfers
         busy_imports = self.imports is not None and bool(self.imports.imports)
         if (tiers is not None and (not tiers.is_idle or tiers.host.private)) or busy_imports:
@@ -371,7 +375,7 @@ class KVCacheManager:
 
     # -- copies between the tiers ---------------------------------------------------------
     def take_transfers(self) -> KVTransfers:
-        """The copies the allocations since the last take scheduled: this step's transfers."""
+        """The copies the allocations since the last take scheduled: this step's."""
         return self.transfers.take() if self.transfers else KVTransfers()
 
     def complete_transfers(self, transfers: KVTransfers) -> None:

@@ -5,6 +5,13 @@ block by block in the host tier's READY slots or, where the host misses, the dis
 host evicts a chain's deepest blocks first, so a chain often continues across both tiers): a
 contiguous head either way. Finding is read-only; claiming re-checks that every block and
 slot still holds the very content, at the very epoch, the lookup saw.
+
+Blocks in flight: when the scheduler plans a step, a request admitted in it may share the full
+prompt blocks another request of the same step writes (a burst of prompts with one system prompt,
+n samples of one prompt). Within one forward pass every layer writes the whole step's K/V before
+any token attends, so those blocks hold their KV by the time the joiner reads them. Only blocks
+wholly written by the step are shared, only after a device-only head, and never published by the
+joiner: the writer publishes them when the step is committed.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from collections.abc import Mapping
 from kvserve.kvcache.block import KVBlock
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.host_tier import HostSlot, SlotState
-from kvserve.kvcache.ledger import RequestRecord
+from kvserve.kvcache.ledger import Ledger, RequestRecord
 from kvserve.kvcache.transfers import LoadSource, TransferLedger
 from kvserve.kvcache.types import PrefixHit
 
@@ -22,10 +29,14 @@ TierSlots = list[tuple[HostSlot, LoadSource]]
 
 
 def find_prefix_hit(pool: BlockPool, tiers: TransferLedger | None, pending: Mapping[bytes, str],
-                    record: RequestRecord) -> PrefixHit:
+                    record: RequestRecord, in_flight: Mapping[str, int] | None = None,
+                    ledger: Ledger | None = None) -> PrefixHit:
     """The longest cached head of the request's prompt, capped so that at least one token is
     left to compute, and how many tokens right after it other live requests are computing.
-    Read-only, except that a refused hash collision is counted."""
+    With `in_flight` (request id -> tokens whose KV it will have written when the step being
+    planned ends) and the `ledger`, a device-only head continues through the blocks those
+    requests announced and write in that step. Read-only, except that a refused hash collision
+    is counted."""
     bs = pool.block_size
     max_blocks = (len(record.token_ids) - 1) // bs
     record.extend_hashes(max_blocks, bs)
@@ -49,6 +60,10 @@ def find_prefix_hit(pool: BlockPool, tiers: TransferLedger | None, pending: Mapp
             if not found:
                 break
             from_disk.append(found[0] in disk_hit)
+    owners: list[str] = []
+    num_cached = len(hit)
+    if in_flight and ledger is not None and not host_hit and not disk_hit:
+        owners = _extend_in_flight(hit, record, pending, in_flight, ledger, max_blocks, bs)
     num_hit = len(hit) + len(host_hit) + len(disk_hit)
     num_pending = 0
     for idx in range(num_hit, max_blocks):
@@ -65,7 +80,27 @@ def find_prefix_hit(pool: BlockPool, tiers: TransferLedger | None, pending: Mapp
         disk_slots=tuple(s.slot_id for s in disk_hit),
         disk_epochs=tuple(s.epoch for s in disk_hit),
         from_disk=tuple(from_disk) if disk_hit else (),
+        num_in_flight_tokens=(len(hit) - num_cached) * bs,
+        in_flight_owners=tuple(dict.fromkeys(owners)),
     )
+
+
+def _extend_in_flight(hit: list[KVBlock], record: RequestRecord, pending: Mapping[bytes, str],
+                      in_flight: Mapping[str, int], ledger: Ledger, max_blocks: int,
+                      bs: int) -> list[str]:
+    """Append to `hit` the announced blocks its writers fill in the step being planned; returns
+    the writer of each appended block."""
+    owners = []
+    for idx in range(len(hit), max_blocks):
+        owner = pending.get(record.block_hashes[idx])
+        written = in_flight.get(owner, 0) if owner is not None else 0
+        writer = ledger.get(owner) if owner is not None and owner != record.request_id else None
+        if (writer is None or (idx + 1) * bs > written or idx >= len(writer.block_table)
+                or writer.block_hashes[idx:idx + 1] != [record.block_hashes[idx]]):
+            break
+        hit.append(writer.block_table[idx])
+        owners.append(writer.request_id)
+    return owners
 
 
 def claim_prefix_hit(pool: BlockPool, tiers: TransferLedger | None, record: RequestRecord,
@@ -91,9 +126,13 @@ def claim_prefix_hit(pool: BlockPool, tiers: TransferLedger | None, record: Requ
             epochs.append(epoch)
     record.extend_hashes(len(blocks) + len(slots), pool.block_size)
     expected = record.block_hashes[: len(blocks) + len(slots)]
+    # In flight: still being written, so not yet published (and held by their writers).
+    num_cached = len(blocks) - hit.num_in_flight_tokens // pool.block_size
     if [b.epoch for b in blocks] + [s.epoch for s, _ in slots] != epochs or any(
-        b.block_hash != h for b, h in zip(blocks, expected, strict=False)
-    ) or any(s.state is not SlotState.READY or s.block_hash != h
-             for (s, _), h in zip(slots, expected[len(blocks) :], strict=True)):
+        b.block_hash != h for b, h in zip(blocks[:num_cached], expected, strict=False)
+    ) or any(b.block_hash is not None or b.ref_cnt == 0 for b in blocks[num_cached:]) or any(
+        s.state is not SlotState.READY or s.block_hash != h
+        for (s, _), h in zip(slots, expected[len(blocks) :], strict=True)
+    ):
         raise ValueError(f"request {record.request_id!r}: stale prefix hit; call lookup again")
     return blocks, slots

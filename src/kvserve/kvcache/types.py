@@ -31,6 +31,11 @@ class PrefixHit:
     `num_tokens` covers every tier. `num_pending_tokens`: how many tokens right after the hit
     another live request is computing (or loading) now; a scheduler that waits for them gets
     them from the cache instead of computing them twice.
+
+    `num_in_flight_tokens`: only from a lookup given `in_flight` requests. The last
+    `num_in_flight_tokens // block_size` of `block_ids` are blocks those requests write in the
+    step being planned (not yet published); `in_flight_owners` names them. Such a hit is good
+    for that step only (see `KVCacheManager.lookup`).
     """
 
     block_ids: tuple[int, ...] = ()
@@ -42,6 +47,8 @@ class PrefixHit:
     disk_slots: tuple[int, ...] = ()
     disk_epochs: tuple[int, ...] = ()
     from_disk: tuple[bool, ...] = ()
+    num_in_flight_tokens: int = 0
+    in_flight_owners: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
