@@ -11,8 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from kvserve.gateway.token_keys import TokenKeyer
+from kvserve.gateway.admission import Admission
+from kvserve.gateway.metrics import GatewayMetrics
+from kvserve.gateway.retry_budget import RetryBudget
+from kvserve.gateway.token_keys import ExactKeys, TokenKeyer
 from kvserve.gateway.token_memo import MemoLimits, MemoOutcome, TokenMemo
+from kvserve.gateway.worker_pool import WorkerPool
 from kvserve.model.demo_tokenizer import CHAT_TEMPLATE
 from tests.gateway.memo_tokenizers import CORPUS, FAMILIES, never_resyncs
 
@@ -191,3 +195,25 @@ def test_a_truncating_tokenizer_is_never_memoized() -> None:
     assert not memo.is_enabled
     assert memo.encode(DOC) == full_ids(tok, DOC) and len(full_ids(tok, DOC)) == 64
     assert memo.encode(DOC) == full_ids(tok, DOC) and memo.stats.counts[MISS] == 2
+
+
+def test_memo_outcomes_are_gateway_metrics(tiny_model: Path) -> None:
+    keys = ExactKeys(str(tiny_model), 16, wanted=True)
+    metrics = GatewayMetrics(WorkerPool(["http://w1"]), Admission(4, 4, 1.0), RetryBudget(),
+                             keys)
+    assert keys.keyer is not None
+    keys.keyer.encode(DOC)
+    keys.keyer.encode(DOC + " and a question")
+    keys.keyer.encode(DOC + " and a question")
+
+    def lookups(kind: str, outcome: str) -> float | None:
+        return metrics.registry.get_sample_value("kvserve:gateway_token_memo_lookups_total",
+                                                 {"kind": kind, "outcome": outcome})
+
+    # A short tail is not stored: the repeat splices again (an exact hit needs a stored text).
+    assert {o.value: lookups("prompt", o.value) for o in MemoOutcome} == {
+        "exact": 0.0, "splice": 2.0, "fallback": 0.0, "miss": 1.0}
+    assert lookups("chat", "miss") == 0.0
+    tokenized = metrics.registry.get_sample_value("kvserve:gateway_token_memo_chars_total",
+                                                  {"kind": "prompt", "stage": "tokenized"})
+    assert tokenized is not None and len(DOC) < tokenized < 1.2 * len(DOC)
