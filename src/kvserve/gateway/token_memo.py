@@ -55,14 +55,16 @@ class MemoStats:
 
 @dataclass(frozen=True, slots=True)
 class MemoLimits:
-    """Sizes of the memo. Memory is bounded by `max_entries` and `max_chars` (stored text; ids,
-    offsets and word ids add about 50 bytes per token). A splice re-tokenizes from a word
-    boundary `overlap_tokens` tokens before the last entry token that ends `margin_chars` before
-    the shared length, and needs the last `sync_tokens` or more of that window reproduced
-    exactly; it is stored as an entry of its own only when its tail is `store_tail_chars` long."""
+    """Sizes of the memo. Memory is bounded by `max_entries` and `max_chars` of stored text; a
+    fully tokenized entry's ids, spans and word ids (Python objects) add about 190 bytes per
+    token, some 20-25 MB at the default limits, and a spliced one shares its head's. A splice
+    re-tokenizes from a word boundary `overlap_tokens` tokens before the last entry token that
+    ends `margin_chars` before the shared length, and needs the last `sync_tokens` or more of
+    that window reproduced exactly; it is stored as an entry of its own only when its tail is
+    at least `store_tail_chars` long."""
 
     max_entries: int = 64
-    max_chars: int = 1 << 20
+    max_chars: int = 1 << 19
     key_chars: tuple[int, ...] = (64, 512, 4096)
     margin_chars: int = 16
     overlap_tokens: int = 8
