@@ -104,14 +104,14 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
             worker.role = disagg.role_of(url)
     admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
     budget = RetryBudget(ratio=settings.retry_ratio)
-    metrics = GatewayMetrics(pool, admission, budget)
+    keys = ExactKeys(settings.tokenizer, settings.block_size, settings.policy == "precise")
+    metrics = GatewayMetrics(pool, admission, budget, keys)
     client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
                                                    max_keepalive_connections=256))
     upstream_client = UpstreamClient()
     forwarder = Forwarder(pool, policy, upstream_client, budget, metrics, settings.policy,
                           settings.request_timeout_s, disagg, settings.admin_key)
     scraper = Scraper(pool, client, settings.scrape_interval_s)
-    keys = ExactKeys(settings.tokenizer, settings.block_size, settings.policy == "precise")
     follower = (EventFollower(pool, policy, client, settings.events_interval_s,
                               settings.admin_key)
                 if isinstance(policy, PrecisePolicy) else None)

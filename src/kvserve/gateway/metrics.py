@@ -1,16 +1,18 @@
 """Gateway metrics: decisions per worker and branch, retries, spills, rejections, added
-latency, and predicted vs achieved prefix hits (achieved from the workers' own counters)."""
+latency, predicted vs achieved prefix hits (achieved from the workers' own counters), and how
+the exact keys' tokenizer memo fares."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvserve.gateway.admission import Admission
 from kvserve.gateway.retry_budget import RetryBudget
+from kvserve.gateway.token_keys import ExactKeys
 from kvserve.gateway.worker_pool import WorkerPool
 
 ADDED_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
@@ -61,13 +63,43 @@ class PoolCollector(Collector):
         yield balance
 
 
+class TokenMemoCollector(Collector):
+    """The exact keys' tokenizer memos (prompts and conversations), read at scrape time; nothing
+    while the gateway has no keyer (no `--tokenizer`, or not resolved yet)."""
+
+    def __init__(self, keys: ExactKeys) -> None:
+        self.keys = keys
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        keyer = self.keys.keyer
+        if keyer is None:
+            return
+        lookups = CounterMetricFamily("kvserve:gateway_token_memo_lookups", "Exact-key "
+                                      "tokenizations by prompt kind and memo outcome (splice: "
+                                      "a memoized head reused; fallback: the overlap check "
+                                      "refused it).", labels=["kind", "outcome"])
+        chars = CounterMetricFamily("kvserve:gateway_token_memo_chars", "Characters to key, "
+                                    "and characters the tokenizer actually ran over.",
+                                    labels=["kind", "stage"])
+        for kind, memo in (("prompt", keyer.prompt_memo), ("chat", keyer.chat_memo)):
+            for outcome, count in memo.stats.counts.items():
+                lookups.add_metric([kind, outcome.value], count)
+            chars.add_metric([kind, "requested"], memo.stats.chars_requested)
+            chars.add_metric([kind, "tokenized"], memo.stats.chars_tokenized)
+        yield lookups
+        yield chars
+
+
 class GatewayMetrics:
     """The gateway's registry (one per app)."""
 
-    def __init__(self, pool: WorkerPool, admission: Admission, budget: RetryBudget) -> None:
+    def __init__(self, pool: WorkerPool, admission: Admission, budget: RetryBudget,
+                 keys: ExactKeys | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
         reg.register(PoolCollector(pool, admission, budget))
+        if keys is not None:
+            reg.register(TokenMemoCollector(keys))
         self.requests = Counter("kvserve:gateway_requests", "Requests routed, by worker and "
                                 "decision branch.", ["worker", "branch", "policy"], registry=reg)
         self.retries = Counter("kvserve:gateway_retries", "Requests re-sent to another worker "

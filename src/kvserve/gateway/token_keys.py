@@ -19,12 +19,16 @@ from tokenizers import Tokenizer
 
 from kvserve.chat_template import ChatTemplate, ChatTemplateLoadError, template_message
 from kvserve.gateway.prefix import DEFAULT_BLOCK_TOKENS
+from kvserve.gateway.token_memo import MemoLimits, TokenMemo
 
 
 class TokenKeyer:
-    """Tokenizes prompts, and renders and tokenizes conversations, exactly as the workers do."""
+    """Tokenizes prompts, and renders and tokenizes conversations, exactly as the workers do.
+    Both go through a prefix memo (`TokenMemo`: the tokens of a shared head are reused); like
+    the memos, a keyer is used from one thread, the gateway's event loop."""
 
-    def __init__(self, tokenizer_path: str | Path, block_size: int = DEFAULT_BLOCK_TOKENS):
+    def __init__(self, tokenizer_path: str | Path, block_size: int = DEFAULT_BLOCK_TOKENS,
+                 memo_limits: MemoLimits | None = None):
         path = Path(tokenizer_path)
         file = path / "tokenizer.json" if path.is_dir() else path
         if not file.is_file():
@@ -34,6 +38,8 @@ class TokenKeyer:
             raise ValueError(f"--block-size must be >= 1, got {block_size}")
         self.tokenizer = Tokenizer.from_file(str(file))
         self.block_size = block_size
+        self.prompt_memo = TokenMemo(self.tokenizer, add_special_tokens=True, limits=memo_limits)
+        self.chat_memo = TokenMemo(self.tokenizer, add_special_tokens=False, limits=memo_limits)
         try:
             self.chat_template: ChatTemplate | None = ChatTemplate.from_model_dir(file.parent)
         except ChatTemplateLoadError as exc:
@@ -42,7 +48,8 @@ class TokenKeyer:
             self.chat_template = None  # chat requests keep canonical-text keys
 
     def encode(self, prompt: str) -> list[int]:
-        return list(self.tokenizer.encode(prompt, add_special_tokens=True).ids)
+        """The prompt's token ids, special tokens added, as a worker tokenizes it."""
+        return self.prompt_memo.encode(prompt)
 
     def encode_chat(self, messages: Sequence[Mapping[str, Any]],
                     tools: Sequence[Mapping[str, Any]] | None,
@@ -57,7 +64,7 @@ class TokenKeyer:
                                              tools=tools)
         except ValueError:  # ChatTemplateError, or a message the template cannot use
             return None
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return self.chat_memo.encode(text)
 
 
 class ExactKeys:
