@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import httpx
 import pytest
 
-from kvserve.gateway.kv_events import apply_page
+from kvserve.gateway.kv_events import EventFollower, apply_page
 from kvserve.gateway.policies import PrecisePolicy, RouteRequest
+from kvserve.gateway.worker_pool import WorkerPool
 from tests.gateway.helpers import views
 
 H = [bytes([i]) * 32 for i in range(6)]
@@ -53,3 +57,27 @@ def test_a_malformed_event_is_an_error() -> None:
     with pytest.raises(ValueError):
         apply_page(PrecisePolicy(), "w", page({"type": "stored", "block_hashes": ["zz"]}),
                    gap=False)
+
+
+def test_a_worker_with_events_every_step_is_polled_at_most_every_min_interval() -> None:
+    asyncio.run(_follow_a_busy_worker())
+
+
+async def _follow_a_busy_worker() -> None:
+    # A busy worker has a new event for every poll; the follower still batches them.
+    seq = {"n": 0}
+
+    async def worker(request: httpx.Request) -> httpx.Response:
+        await asyncio.sleep(0)  # a real answer takes a trip through the event loop
+        seq["n"] += 1
+        event = {"type": "stored", "block_hashes": [bytes([seq["n"] % 256]).hex() * 32]}
+        return httpx.Response(200, json={"events": [event], "next_seq": seq["n"]})
+
+    policy = PrecisePolicy()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as client:
+        follower = EventFollower(WorkerPool(["http://w"]), policy, client, min_interval_s=0.1)
+        follower.start()
+        await asyncio.sleep(0.55)
+        await follower.stop()
+    assert 4 <= follower.polls <= 7  # uncapped, this loop polls thousands of times
+    assert follower.applied == follower.polls and policy.num_cached_blocks("http://w") > 0
