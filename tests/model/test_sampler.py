@@ -27,6 +27,15 @@ def test_greedy_is_argmax():
     assert [t.token_id for t in out] == logits.argmax(-1).tolist()
 
 
+def test_greedy_rows_among_sampled_rows_are_argmax():
+    logits = logits_for(4, seed=6)
+    sampler = Sampler(seed=3)
+    for _ in range(5):
+        out = sampler.sample(logits, [req("g0", temperature=0), req("s1", temperature=3.0),
+                                      req("g2", temperature=0), req("s3", temperature=3.0)])
+        assert [out[0].token_id, out[2].token_id] == logits[[0, 2]].argmax(-1).tolist()
+
+
 def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch():
     alone = Sampler(seed=1)
     busy = Sampler(seed=2)

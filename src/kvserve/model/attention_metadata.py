@@ -57,6 +57,40 @@ class DecodeBatch:
 
 
 @dataclass(slots=True)
+class DecodeCascade:
+    """Every decode of the step starts its block table with the same `head_len // bs` blocks
+    (a shared prompt head), and each decode's new token lies after them, so every decode's
+    tail (its blocks after the head, padded to `tail_len` tokens) holds >= 1 visible token.
+
+    Planned once per step (AttentionMetadata.decode_cascade) and read by every layer; never
+    touches the KV cache.
+    """
+
+    head_block_ids: torch.Tensor  # [head_len // block_size] int64
+    tail_block_ids: torch.Tensor  # [num_decodes * tail_len // block_size] int64, by decode
+    tail_lens: torch.Tensor  # [num_decodes] int64, visible tail tokens (1..tail_len)
+    head_len: int
+    tail_len: int
+    _biases: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def tail_bias(self, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+        """Additive mask (0 or -inf, float32) over each decode's tail keys taken position-major
+        ([tail_len, num_kv_heads] flattened): query head h sees key (pos, kv) iff kv is h's kv
+        head and pos < tail_lens. [num_decodes, num_heads, tail_len * num_kv_heads], cached."""
+        key = (num_heads, num_kv_heads)
+        if key not in self._biases:
+            device, hidden = self.tail_lens.device, float("-inf")
+            pos = torch.arange(self.tail_len, device=device)
+            by_pos = torch.where(pos < self.tail_lens[:, None], 0.0, hidden)  # [D, tail_len]
+            kv_of_head = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)
+            by_head = torch.where(kv_of_head[:, None] == torch.arange(num_kv_heads, device=device),
+                                  0.0, hidden)  # [H, KVH]
+            bias = by_pos[:, None, :, None] + by_head[None, :, None, :]  # [D, H, tail_len, KVH]
+            self._biases[key] = bias.flatten(2)
+        return self._biases[key]
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Per-step layout of a flattened batch over the paged KV cache.
 
@@ -78,6 +112,7 @@ class AttentionMetadata:
     decode_seq_idx: tuple[int, ...] = field(init=False)  # sequences with query_len == 1
     _decode: DecodeBatch | None = field(init=False, default=None)
     _cascades: tuple[PrefillCascade, ...] | None = field(init=False, default=None)
+    _decode_cascade: tuple[DecodeCascade | None] | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         if not self.query_start_cpu:
@@ -111,6 +146,43 @@ class AttentionMetadata:
                 max_seq_len=max(self.seq_lens_cpu[i] for i in self.decode_seq_idx),
             )
         return self._decode
+
+    def decode_cascade(self, block_size: int) -> DecodeCascade | None:
+        """The decodes' shared head of at least MIN_CASCADE_BLOCKS blocks (planned on first
+        call from the host copies), or None when fewer than two decodes share one."""
+        if self._decode_cascade is None:
+            self._decode_cascade = (self._plan_decode_cascade(block_size),)
+        return self._decode_cascade[0]
+
+    def _plan_decode_cascade(self, block_size: int) -> DecodeCascade | None:
+        rows = self.decode_seq_idx
+        if len(rows) < 2:
+            return None
+        # The head ends before every decode's own new token (at seq_len - 1): no tail is empty.
+        num_head = (min(self.seq_lens_cpu[i] for i in rows) - 1) // block_size
+        if num_head < MIN_CASCADE_BLOCKS:
+            return None
+        tables = self.block_tables_cpu or self.block_tables.tolist()
+        first = tables[rows[0]]
+        head = first[:num_head]
+        for i in rows[1:]:
+            if tables[i][:num_head] != head:  # (also for a list against a tuple: then exact)
+                num_head = next((j for j in range(num_head) if tables[i][j] != first[j]),
+                                num_head)
+                if num_head < MIN_CASCADE_BLOCKS:
+                    return None
+                head = first[:num_head]
+        batch = self.decode_batch()
+        assert batch is not None
+        num_blocks = -(-batch.max_seq_len // block_size)
+        head_len = num_head * block_size
+        return DecodeCascade(
+            head_block_ids=batch.block_tables[0, :num_head],
+            tail_block_ids=batch.block_tables[:, num_head:num_blocks].reshape(-1),
+            tail_lens=batch.seq_lens - head_len,
+            head_len=head_len,
+            tail_len=(num_blocks - num_head) * block_size,
+        )
 
     def prefill_cascades(self, block_size: int) -> tuple[PrefillCascade, ...]:
         """Groups of prefill chunks that share a head of at least MIN_CASCADE_BLOCKS cached

@@ -11,8 +11,9 @@ softmax parts are merged exactly by their log-sum-exp:
 
 which equals softmax attention over the whole context (up to float rounding). The head lies
 wholly before every query that reads it, so its part needs no mask; the tail part carries the
-causal mask. Both paths here are exact replacements for the reference path in paged_attention
-and are only taken without a sliding window.
+causal mask. This module holds the prefill chunks' cascade and the two helpers; decodes take
+decode_cascade. Every cascade path is an exact replacement for the reference path in
+paged_attention and is only taken without a sliding window.
 """
 
 from __future__ import annotations
@@ -21,13 +22,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvserve.model.attention_metadata import MIN_CASCADE_BLOCKS, DecodeBatch, PrefillCascade
+from kvserve.model.attention_metadata import MIN_CASCADE_BLOCKS, PrefillCascade
 
 if TYPE_CHECKING:  # paged_attention imports this module
     from kvserve.model.paged_attention import KVCache
 
-__all__ = ["MIN_CASCADE_BLOCKS", "attend_with_lse", "cascade_decode", "cascade_prefill",
-           "merge_by_lse", "shared_head_blocks"]
+__all__ = ["MIN_CASCADE_BLOCKS", "attend_with_lse", "cascade_prefill", "merge_by_lse"]
 
 
 def attend_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
@@ -133,59 +133,3 @@ def _tails(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KV
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0].transpose(0, 1))
     return torch.cat(outs), torch.cat(lses)
-
-
-def shared_head_blocks(tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> int:
-    """Leading blocks every decode's table lists identically (a shared prompt prefix), capped so
-    they lie wholly inside every context."""
-    if tables.shape[0] < 2:
-        return 0
-    same = (tables == tables[:1]).all(dim=0)  # [num_blocks]
-    shared = int(same.logical_not().nonzero()[0]) if not bool(same.all()) else same.numel()
-    return min(shared, int(seq_lens.min()) // block_size)
-
-
-def cascade_decode(query: torch.Tensor, kv_cache: KVCache, plan: DecodeBatch, scale: float,
-                   num_shared: int, num_blocks: int) -> torch.Tensor:
-    """Decodes that share a head of blocks: attend to the head once for all queries, to each
-    tail separately, and merge the two softmax parts exactly (log-sum-exp). query [D, H, hd]
-    -> [D, H, hd]. Reads the shared K/V once instead of once per sequence."""
-    block_size = kv_cache.block_size
-    num_decodes, num_heads, head_dim = query.shape
-    num_kv_heads = kv_cache.key_cache.shape[2]
-    group = num_heads // num_kv_heads
-    q = query.float().view(num_decodes, num_kv_heads, group, head_dim)  # [D, KVH, G, hd]
-    # Head: one [KVH, D*G, L_head] score matrix against K/V gathered once.
-    head_ids = plan.block_tables[0, :num_shared]
-    k_head = kv_cache.key_cache.index_select(0, head_ids).flatten(0, 1).float()  # [Lh, KVH, hd]
-    v_head = kv_cache.value_cache.index_select(0, head_ids).flatten(0, 1).float()
-    q_rows = q.permute(1, 0, 2, 3).reshape(num_kv_heads, num_decodes * group, head_dim)
-    s_head = torch.bmm(q_rows, k_head.permute(1, 2, 0)) * scale  # [KVH, D*G, Lh]
-    m_head = s_head.amax(dim=-1, keepdim=True)  # [KVH, D*G, 1]
-    p_head = (s_head - m_head).exp()
-    l_head = p_head.sum(dim=-1, keepdim=True)  # [KVH, D*G, 1]
-    o_head = torch.bmm(p_head, v_head.permute(1, 0, 2))  # [KVH, D*G, hd]
-    # Tails: each decode's own blocks after the head, masked to its length.
-    tail = plan.block_tables[:, num_shared:num_blocks].reshape(-1)  # [D * nt]
-    tail_len = (num_blocks - num_shared) * block_size
-    k_tail = kv_cache.key_cache.index_select(0, tail).view(
-        num_decodes, tail_len, num_kv_heads, head_dim).float()  # [D, Lt, KVH, hd]
-    v_tail = kv_cache.value_cache.index_select(0, tail).view(
-        num_decodes, tail_len, num_kv_heads, head_dim).float()
-    s_tail = torch.einsum("dkgh,dlkh->dkgl", q, k_tail) * scale  # [D, KVH, G, Lt]
-    pos = num_shared * block_size + torch.arange(tail_len, device=query.device)
-    visible = pos[None, :] < plan.seq_lens[:, None]  # [D, Lt]
-    s_tail = s_tail.masked_fill(~visible[:, None, None, :], float("-inf"))
-    m_tail = s_tail.amax(dim=-1, keepdim=True)  # [D, KVH, G, 1]; -inf for an empty tail
-    m_tail = torch.where(torch.isinf(m_tail), torch.zeros_like(m_tail), m_tail)
-    p_tail = (s_tail - m_tail).exp()
-    l_tail = p_tail.sum(dim=-1, keepdim=True)
-    o_tail = torch.einsum("dkgl,dlkh->dkgh", p_tail, v_tail)  # [D, KVH, G, hd]
-    # Merge: bring the head's parts to [D, KVH, G, *] and combine with a common max.
-    def per_decode(x: torch.Tensor) -> torch.Tensor:
-        return x.view(num_kv_heads, num_decodes, group, -1).permute(1, 0, 2, 3)
-    m_h, l_h, o_h = per_decode(m_head), per_decode(l_head), per_decode(o_head)
-    m = torch.maximum(m_h, m_tail)
-    w_head, w_tail = (m_h - m).exp(), (m_tail - m).exp()
-    out = (o_h * w_head + o_tail * w_tail) / (l_h * w_head + l_tail * w_tail)
-    return out.reshape(num_decodes, num_heads, head_dim).to(query.dtype)

@@ -20,8 +20,8 @@ fresh K/V, the very values just written, and skips the gather). It is device and
 (CPU float32, CUDA bf16) and needs no extension. Cost: the gathers copy each decode's whole
 context once per layer, so this path is memory-bound; it is the correctness reference that
 faster kernels must match. Where sequences share a head of blocks (a prefix-cache hit), decodes
-and prefill chunks take the cascade paths of cascade_attention instead (no sliding window): the
-head is read once for all of them, with the same result.
+and prefill chunks take the cascade paths of decode_cascade and cascade_attention instead (no
+sliding window): the head is read once for all of them, with the same result.
 """
 
 from __future__ import annotations
@@ -32,14 +32,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.attention_metadata import AttentionMetadata, DecodeBatch
-from kvserve.model.cascade_attention import (
-    MIN_CASCADE_BLOCKS,
-    cascade_decode,
-    cascade_prefill,
-    shared_head_blocks,
-)
+from kvserve.model.attention_metadata import AttentionMetadata, DecodeBatch, DecodeCascade
+from kvserve.model.cascade_attention import cascade_prefill
 from kvserve.model.config import ModelConfig
+from kvserve.model.decode_cascade import cascade_decode
 
 
 @dataclass(slots=True)
@@ -104,12 +100,17 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     # Invariant: after the write, slots of positions < seq_lens[i] hold sequence i's K/V, so every
     # read below sees the full context, this step's tokens included.
     write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
-    out = torch.empty_like(query)  # [num_tokens, num_heads, hd]
     scale = 1.0 / math.sqrt(query.shape[-1])
     plan = attn_metadata.decode_batch()
     if plan is not None:
+        shared = (attn_metadata.decode_cascade(kv_cache.block_size)
+                  if sliding_window is None else None)
+        if not attn_metadata.prefill_seq_idx:  # decodes only: row i is sequence i's token
+            return _decode_attention(query, kv_cache, plan, shared, scale, sliding_window)
+    out = torch.empty_like(query)  # [num_tokens, num_heads, hd]
+    if plan is not None:
         out[plan.token_idx] = _decode_attention(query[plan.token_idx], kv_cache, plan,
-                                                scale, sliding_window)
+                                                shared, scale, sliding_window)
     in_cascade: set[int] = set()
     if sliding_window is None:
         for cascade in attn_metadata.prefill_cascades(kv_cache.block_size):
@@ -165,16 +166,15 @@ def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
     return blocks.flatten(0, 1)[:seq_len]
 
 
-def _decode_attention(query: torch.Tensor, kv_cache: KVCache, plan: DecodeBatch, scale: float,
+def _decode_attention(query: torch.Tensor, kv_cache: KVCache, plan: DecodeBatch,
+                      cascade: DecodeCascade | None, scale: float,
                       sliding_window: int | None) -> torch.Tensor:
-    """All decodes at once: query [D, H, hd] over padded contexts -> [D, H, hd]."""
+    """All decodes at once: query [D, H, hd] over padded contexts -> [D, H, hd]; through
+    `cascade` when they share a head (never with a sliding window)."""
+    if cascade is not None:
+        return cascade_decode(query, kv_cache, cascade, scale)
     block_size = kv_cache.block_size
     num_blocks = -(-plan.max_seq_len // block_size)
-    if sliding_window is None:
-        num_shared = shared_head_blocks(plan.block_tables[:, :num_blocks], plan.seq_lens,
-                                        block_size)
-        if num_shared >= MIN_CASCADE_BLOCKS:
-            return cascade_decode(query, kv_cache, plan, scale, num_shared, num_blocks)
     tables = plan.block_tables[:, :num_blocks]  # [D, num_blocks]
     num_decodes = tables.shape[0]
     flat = tables.reshape(-1)  # [D * num_blocks]; index_select copies faster than fancy indexing

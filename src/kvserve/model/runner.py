@@ -8,6 +8,7 @@ sequence. With a host tier (and a disk tier), the step's copies between the tier
 
 from __future__ import annotations
 
+import array
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -75,14 +76,12 @@ class ModelRunner:
             if item.sample:
                 sample_rows.append(len(input_ids) - 1)
                 sample_requests.append(item.request)
-        width = max(len(item.block_table) for item in output.scheduled)
-        tables = [list(item.block_table) + [0] * (width - len(item.block_table))
-                  for item in output.scheduled]
         device = self.device
         meta = AttentionMetadata(
             query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            block_tables=_padded_tables([item.block_table for item in output.scheduled],
+                                        device),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             query_start_cpu=tuple(query_start),
             seq_lens_cpu=tuple(seq_lens),
@@ -100,3 +99,13 @@ class ModelRunner:
 
     def release(self, request_ids: Iterable[str]) -> None:
         self.sampler.release(list(request_ids))
+
+
+def _padded_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """Block tables as one [num_seqs, max_len] int32 tensor, rows padded with block 0.
+    Filled through a C array: a nested list costs ~3x more (90 us for 32 x 67 entries)."""
+    width = max(len(t) for t in tables)
+    flat = array.array("i", bytes(4 * width * len(tables)))  # zeros
+    for i, table in enumerate(tables):
+        flat[i * width : i * width + len(table)] = array.array("i", table)
+    return torch.frombuffer(flat, dtype=torch.int32).view(len(tables), width).to(device)

@@ -38,7 +38,9 @@ class Sampler:
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
 
         greedy = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
-        if greedy:
+        if greedy and len(greedy) == len(requests):  # all greedy: no copy of the rows
+            token_ids = logits.argmax(dim=-1)
+        elif greedy:
             token_ids[greedy] = logits[greedy].argmax(dim=-1)
         random = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if random:
