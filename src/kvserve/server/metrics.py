@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -225,6 +225,11 @@ class ServerMetrics:
                                ["model_name", "finished_reason"], registry=reg)
         self.rejected = Counter("kvserve:requests_rejected", "Requests refused, by cause.",
                                 ["model_name", "cause"], registry=reg)
+        self.in_flight = Gauge("kvserve:requests_in_flight",
+                               "Prompts admitted and not yet ended: what the 429 admission "
+                               "limit (max_num_seqs + max waiting requests) counts.",
+                               label, registry=reg)
+        self.in_flight.labels(model_name).set(0)
         self.tenant_queries = Counter("kvserve:tenant_prefix_cache_queries",
                                       "Prompt tokens looked up, per tenant.",
                                       ["model_name", "tenant"], registry=reg)

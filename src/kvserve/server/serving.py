@@ -95,6 +95,7 @@ class Serving:
                            err_type="rate_limit_error",
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         self.in_flight += len(prompts)
+        self.metrics.in_flight.labels(self.model_name).set(self.in_flight)
         deadline = None
         if self.settings.request_timeout_s is not None:
             deadline = time.monotonic() + self.settings.request_timeout_s
@@ -128,6 +129,7 @@ class Serving:
                 raise
             finally:
                 self.in_flight -= 1
+                self.metrics.in_flight.labels(self.model_name).set(self.in_flight)
                 if pull:
                     assert self.puller is not None
                     self.puller.finish(engine_id)
