@@ -35,6 +35,19 @@ def a_demoted_to_disk() -> tuple[KVCacheManager, KVTransfers]:
     return m, m.take_transfers()
 
 
+def a2_loading_from_disk() -> KVCacheManager:
+    """After `a_demoted_to_disk` ran and C left, A again: its two blocks are disk hits, their
+    loads scheduled into fresh device blocks, not yet run."""
+    m, transfers = a_demoted_to_disk()
+    m.complete_transfers(transfers)
+    m.commit("c", len(C))
+    m.free("c")
+    m.add_request("a2", A)
+    allocation = m.allocate_slots("a2", 1, m.lookup("a2"))
+    assert allocation is not None and allocation.num_cached_tokens == 8
+    return m
+
+
 def test_a_host_eviction_is_demoted_to_the_disk_and_readable_only_once_confirmed():
     m, transfers = a_demoted_to_disk()
     host, disk = m.transfers.host, m.transfers.disk
@@ -62,13 +75,7 @@ def test_a_host_eviction_is_demoted_to_the_disk_and_readable_only_once_confirmed
 
 
 def test_a_disk_hit_loads_into_fresh_blocks_and_publishes_after_the_step():
-    m, transfers = a_demoted_to_disk()
-    m.complete_transfers(transfers)
-    m.commit("c", len(C))
-    m.free("c")
-    m.add_request("a2", A)
-    allocation = m.allocate_slots("a2", 1, m.lookup("a2"))
-    assert allocation is not None and allocation.num_cached_tokens == 8
+    m = a2_loading_from_disk()
     table = m.block_table("a2")
     transfers = m.take_transfers()
     assert transfers.disk_loads == (DiskLoad(1, table[0]), DiskLoad(0, table[1]))
@@ -119,12 +126,7 @@ def test_a_chain_split_across_host_and_disk_is_one_hit():
 
 
 def test_verify_refuses_a_load_from_a_reassigned_disk_slot():
-    m, transfers = a_demoted_to_disk()
-    m.complete_transfers(transfers)
-    m.commit("c", len(C))
-    m.free("c")
-    m.add_request("a2", A)
-    assert m.allocate_slots("a2", 1, m.lookup("a2")) is not None
+    m = a2_loading_from_disk()
     m.transfers.disk.slots[0].epoch += 1  # as if the slot was handed on under the load
     with pytest.raises(CacheCorruption, match="disk slot 0"):
         m.verify("a2")

@@ -92,14 +92,18 @@ def _extend_in_flight(hit: list[KVBlock], record: RequestRecord, pending: Mappin
     the writer of each appended block."""
     owners = []
     for idx in range(len(hit), max_blocks):
-        owner = pending.get(record.block_hashes[idx])
-        written = in_flight.get(owner, 0) if owner is not None else 0
-        writer = ledger.get(owner) if owner is not None and owner != record.request_id else None
-        if (writer is None or (idx + 1) * bs > written or idx >= len(writer.block_table)
-                or writer.block_hashes[idx:idx + 1] != [record.block_hashes[idx]]):
+        block_hash = record.block_hashes[idx]
+        owner = pending.get(block_hash)
+        # Only a block the writer's chunk of this step covers whole (the request looking up is
+        # never in `in_flight`: it is not planned yet).
+        if owner is None or (idx + 1) * bs > in_flight.get(owner, 0):
+            break
+        writer = ledger.get(owner)
+        if (writer is None or idx >= len(writer.block_table)
+                or writer.block_hashes[idx] != block_hash):
             break
         hit.append(writer.block_table[idx])
-        owners.append(writer.request_id)
+        owners.append(owner)
     return owners
 
 
