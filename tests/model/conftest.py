@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from kvserve.model import write_random_checkpoint
+from kvserve.model import cpu_attention, write_random_checkpoint
 
 from .arch_configs import ARCH_CONFIGS
 
@@ -22,3 +23,17 @@ def arch_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path
 @pytest.fixture(scope="session")
 def llama_dir(arch_checkpoints: dict[str, Path]) -> Path:
     return arch_checkpoints["llama_gqa"]
+
+
+@pytest.fixture(params=["cpu_kernel", "pytorch"])
+def attention_impl(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Run a test once through kvserve's CPU attention kernel and once through the PyTorch
+    paths (the reference); the kernel run skips where the kernel cannot be built."""
+    if request.param == "pytorch":
+        with cpu_attention.disabled():
+            yield request.param
+        return
+    if not cpu_attention.available():
+        pytest.skip("kvserve's CPU attention kernel is not available here (needs x86-64 with "
+                    "AVX-512 and a C compiler)")
+    yield request.param

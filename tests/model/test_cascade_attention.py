@@ -31,7 +31,8 @@ EQUAL = [(20, 4, True), (20, 4, True), (20, 4, True)]
 
 @pytest.mark.parametrize("seqs", [MIXED, EQUAL], ids=["mixed", "equal_suffixes"])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 4)])
-def test_prefill_cascade_equals_whole_context_attention(seqs, num_heads, num_kv_heads):
+def test_prefill_cascade_equals_whole_context_attention(seqs, num_heads, num_kv_heads,
+                                                       attention_impl):
     gen = torch.Generator().manual_seed(3)
     bs, hd, scale = 4, 16, 16 ** -0.5
     cache = KVCache(100 * torch.randn(64, bs, num_kv_heads, hd, generator=gen),

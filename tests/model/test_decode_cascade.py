@@ -48,7 +48,8 @@ def decode_step(tails=TAILS):
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 4), (6, 1)])
 @pytest.mark.parametrize("path", ["dispatch", "portable"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_cascade_equals_whole_context_attention(num_heads, num_kv_heads, path, dtype):
+def test_cascade_equals_whole_context_attention(num_heads, num_kv_heads, path, dtype,
+                                               attention_impl):
     head_dim, scale = 16, 0.25
     cache = junk_cache(num_kv_heads, head_dim, dtype, seed=num_heads)
     meta, tables, seq_lens = decode_step()
@@ -76,7 +77,7 @@ def test_cpu_float32_takes_the_flash_path(monkeypatch):
 
 
 @pytest.mark.parametrize("with_prefill", [False, True])
-def test_paged_attention_decodes_through_the_cascade(with_prefill):
+def test_paged_attention_decodes_through_the_cascade(with_prefill, attention_impl):
     """A decode-only step (its output is the decodes' rows directly) and a step that also
     prefills a chunk on another prefix: both equal each context attended whole."""
     num_heads, num_kv_heads, head_dim = 6, 2, 8

@@ -39,9 +39,10 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first_pos
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("window", [None, 3])
-def test_mixed_step_matches_dense_attention(block_size: int, window: int | None) -> None:
+def test_mixed_step_matches_dense_attention(block_size: int, window: int | None,
+                                            attention_impl: str) -> None:
     gen = torch.Generator().manual_seed(block_size)
-    num_heads, num_kv_heads, head_dim, num_blocks = 6, 2, 8, 64
+    num_heads, num_kv_heads, head_dim, num_blocks = 6, 2, 16, 64
     # (cached tokens, new tokens): decode, fresh prefill, chunk after a cached prefix, decode.
     seqs = [(9, 1), (0, 7), (5, 6), (20, 1), (3, 1)]
     cache = KVCache(100 * torch.randn(num_blocks, block_size, num_kv_heads, head_dim,
@@ -115,7 +116,8 @@ def test_allocation_shapes_and_bytes(llama_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_chunked_prefill_equals_one_shot(llama_dir: Path, block_size: int) -> None:
+def test_chunked_prefill_equals_one_shot(llama_dir: Path, block_size: int,
+                                         attention_impl: str) -> None:
     model = load_model(llama_dir).model
     ids = torch.randint(4, 300, (37,), generator=torch.Generator().manual_seed(5)).tolist()
     one_shot = PagedRunner(model, block_size=block_size, seed=1).step([("s", ids)])["s"]
@@ -125,7 +127,7 @@ def test_chunked_prefill_equals_one_shot(llama_dir: Path, block_size: int) -> No
     torch.testing.assert_close(chunked, one_shot, atol=1e-4, rtol=1e-4)
 
 
-def test_mixed_step_equals_each_sequence_alone(llama_dir: Path) -> None:
+def test_mixed_step_equals_each_sequence_alone(llama_dir: Path, attention_impl: str) -> None:
     model = load_model(llama_dir).model
     gen = torch.Generator().manual_seed(9)
     prompt = {s: torch.randint(4, 300, (n,), generator=gen).tolist()

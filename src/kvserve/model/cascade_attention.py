@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.model import cpu_attention
 from kvserve.model.attention_metadata import MIN_CASCADE_BLOCKS, PrefillCascade
 
 if TYPE_CHECKING:  # paged_attention imports this module
@@ -81,6 +82,10 @@ def cascade_prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     # query heads into rows, so K/V are never repeated: [1, KVH, N*G, hd] x [1, KVH, Lh, hd].
     k_head = kv_cache.key_cache.index_select(0, plan.head_block_ids).flatten(0, 1)  # [Lh,KVH,hd]
     v_head = kv_cache.value_cache.index_select(0, plan.head_block_ids).flatten(0, 1)
+    fast = cpu_attention.attention(q, k_head, v_head, scale, with_lse=True)
+    if fast is not None and fast[1] is not None:
+        o_tail, lse_tail = _tails(q, key, value, kv_cache, plan, scale)
+        return merge_by_lse(fast[0], fast[1], o_tail, lse_tail)
     q_rows = q.view(num_rows, num_kv_heads, group, head_dim).transpose(0, 1).reshape(
         1, num_kv_heads, num_rows * group, head_dim)
     o_head, lse_head = attend_with_lse(q_rows, k_head.transpose(0, 1)[None],
@@ -100,6 +105,9 @@ def _tails(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KV
     num_heads = q.shape[1]
     group = num_heads // key.shape[1]
     head_len = plan.head_len
+    by_kernel = _tails_by_kernel(q, key, value, kv_cache, plan, scale)
+    if by_kernel is not None:
+        return by_kernel
     fresh_only = all(ctx == head_len for ctx in plan.context_starts)
     if fresh_only and len(set(plan.query_lens)) == 1:
         # The common case (equal suffixes right after a shared prompt): one batched call.
@@ -133,3 +141,30 @@ def _tails(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KV
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0].transpose(0, 1))
     return torch.cat(outs), torch.cat(lses)
+
+
+def _tails_by_kernel(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
+                     plan: PrefillCascade, scale: float,
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`_tails` through the CPU kernel, one call per member (its tail is a causal chunk whose
+    first query sits `ctx - head_len` tokens into the tail); None where the kernel does not
+    serve these tensors (it then serves none of the members: they share dtype and shapes)."""
+    head_len = plan.head_len
+    out = torch.empty(q.shape, dtype=q.dtype)  # [N, H, hd]
+    lse = torch.empty(q.shape[:2])  # [N, H]
+    row = 0
+    for start, q_len, ctx, seq_len, table in zip(
+            plan.query_starts, plan.query_lens, plan.context_starts, plan.seq_lens,
+            plan.tail_block_ids, strict=True):
+        if ctx == head_len:
+            k, v = key[start:start + q_len], value[start:start + q_len]  # [q, KVH, hd]
+        else:
+            k = kv_cache.key_cache.index_select(0, table).flatten(0, 1)[:seq_len - head_len]
+            v = kv_cache.value_cache.index_select(0, table).flatten(0, 1)[:seq_len - head_len]
+        fast = cpu_attention.attention(q[row:row + q_len], k, v, scale,
+                                       causal_offset=ctx - head_len, with_lse=True)
+        if fast is None or fast[1] is None:
+            return None
+        out[row:row + q_len], lse[row:row + q_len] = fast
+        row += q_len
+    return out, lse

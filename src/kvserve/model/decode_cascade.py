@@ -9,8 +9,9 @@ empty and no row's softmax is over nothing.
 
 Two implementations of one contract, both exact replacements for the reference decode path:
 
-- CPU float32: the head through PyTorch's CPU flash-attention kernel, GQA folded into rows
-  ([1, KVH, D*G, hd] against [1, KVH, L_head, hd], no K/V repeated); each tail with one batched
+- CPU float32: the head through kvserve's CPU kernel (cpu_attention) where it serves the call,
+  else PyTorch's CPU flash-attention kernel, GQA folded into rows ([1, KVH, D*G, hd] against
+  [1, KVH, L_head, hd], no K/V repeated); each tail with one batched
   matmul over all its kv heads' keys at once, other heads' keys masked, so the gathered tail is
   used in the cache's own layout, never transposed or copied again; the head enters the tail's
   softmax as one extra key whose score is its log-sum-exp and whose value is its output, so one
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvserve.model import cpu_attention
 from kvserve.model.attention_metadata import DecodeCascade
 
 if TYPE_CHECKING:  # paged_attention imports this module
@@ -57,11 +59,7 @@ def _cascade_decode_cpu(query: torch.Tensor, kv_cache: KVCache, plan: DecodeCasc
     head_shape = (1, plan.head_len, num_kv_heads, head_dim)
     k_head = kv_cache.key_cache.index_select(0, plan.head_block_ids).view(head_shape)
     v_head = kv_cache.value_cache.index_select(0, plan.head_block_ids).view(head_shape)
-    q_rows = query.reshape(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1).reshape(
-        1, num_kv_heads, num_decodes * group, head_dim)  # [1, KVH, D*G, hd]
-    o_head, lse_head = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q_rows, k_head.transpose(1, 2), v_head.transpose(1, 2), 0.0, False,
-        scale=scale)  # [1, KVH, D*G, hd], [1, KVH, D*G]
+    o_head, lse_rows = _head_part(query, k_head, v_head, scale)  # [D,KVH,G,hd], [D,H,1]
     num_keys = plan.tail_len * num_kv_heads  # each decode's tail keys of every kv head
     k_tail = kv_cache.key_cache.index_select(0, plan.tail_block_ids).view(
         num_decodes, num_keys, head_dim)  # [D, tail_len * KVH, hd], position-major
@@ -69,13 +67,32 @@ def _cascade_decode_cpu(query: torch.Tensor, kv_cache: KVCache, plan: DecodeCasc
         num_decodes, num_keys, head_dim)
     scores = torch.baddbmm(plan.tail_bias(num_heads, num_kv_heads), query,
                            k_tail.transpose(1, 2), alpha=scale)  # [D, H, tail_len * KVH]
-    lse_rows = lse_head.view(num_kv_heads, num_decodes, group).transpose(0, 1).reshape(
-        num_decodes, num_heads, 1)  # [D, H, 1]
     probs = torch.cat([scores, lse_rows], dim=-1).softmax(dim=-1)  # [D, H, tail keys + 1]
-    o_head = o_head.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1)
     head_part = probs[..., num_keys:].view(num_decodes, num_kv_heads, group, 1) * o_head
     return torch.baddbmm(head_part.view(num_decodes, num_heads, head_dim),
                          probs[..., :num_keys], v_tail)  # [D, H, hd]
+
+
+def _head_part(query: torch.Tensor, k_head: torch.Tensor, v_head: torch.Tensor,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every decode's query [D, H, hd] over the head k/v [1, Lh, KVH, hd]: output
+    [D, KVH, G, hd] and log-sum-exp [D, H, 1]. kvserve's CPU kernel where it serves the call,
+    else PyTorch's flash kernel with GQA folded into rows (K/V never repeated)."""
+    num_decodes, num_heads, head_dim = query.shape
+    num_kv_heads = k_head.shape[2]
+    group = num_heads // num_kv_heads
+    fast = cpu_attention.attention(query, k_head[0], v_head[0], scale, with_lse=True)
+    if fast is not None and fast[1] is not None:
+        return (fast[0].view(num_decodes, num_kv_heads, group, head_dim),
+                fast[1].view(num_decodes, num_heads, 1))
+    q_rows = query.reshape(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1).reshape(
+        1, num_kv_heads, num_decodes * group, head_dim)  # [1, KVH, D*G, hd]
+    o_head, lse_head = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q_rows, k_head.transpose(1, 2), v_head.transpose(1, 2), 0.0, False,
+        scale=scale)  # [1, KVH, D*G, hd], [1, KVH, D*G]
+    lse_rows = lse_head.view(num_kv_heads, num_decodes, group).transpose(0, 1).reshape(
+        num_decodes, num_heads, 1)  # [D, H, 1]
+    return o_head.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1), lse_rows
 
 
 def cascade_decode_portable(query: torch.Tensor, kv_cache: KVCache, plan: DecodeCascade,

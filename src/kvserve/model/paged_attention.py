@@ -21,7 +21,9 @@ fresh K/V, the very values just written, and skips the gather). It is device and
 context once per layer, so this path is memory-bound; it is the correctness reference that
 faster kernels must match. Where sequences share a head of blocks (a prefix-cache hit), decodes
 and prefill chunks take the cascade paths of decode_cascade and cascade_attention instead (no
-sliding window): the head is read once for all of them, with the same result.
+sliding window): the head is read once for all of them, with the same result. Prefill attention
+without a sliding window runs through kvserve's CPU kernel (cpu_attention) where it serves the
+call: float32 on CPUs with AVX-512, the same result in another summation order.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvserve.model import cpu_attention
 from kvserve.model.attention_metadata import AttentionMetadata, DecodeBatch, DecodeCascade
 from kvserve.model.cascade_attention import cascade_prefill
 from kvserve.model.config import ModelConfig
@@ -141,6 +144,10 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     else:
         keys = _gather_context(kv_cache.key_cache, block_table, seq_len)  # [seq_len, kv_heads, hd]
         values = _gather_context(kv_cache.value_cache, block_table, seq_len)
+    if sliding_window is None:
+        fast = cpu_attention.attention(query, keys, values, scale, causal_offset=context_start)
+        if fast is not None:
+            return fast[0]
     mask = None
     if context_start > 0 or sliding_window is not None:
         q_pos = torch.arange(context_start, seq_len, device=query.device)[:, None]  # [q_len, 1]

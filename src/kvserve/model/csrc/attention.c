@@ -1,0 +1,92 @@
+/* Flash-style softmax attention for x86-64 CPUs with AVX-512, float32: kvserve's CPU kernel.
+ *
+ * Contract (kvserve_attention): q [q_len, num_heads, head_dim], k and v [kv_len, num_kv_heads,
+ * head_dim], each with its own token and head strides (in elements) and a contiguous last dim;
+ * num_heads a multiple of num_kv_heads (grouped-query attention: query head h reads kv head
+ * h / (num_heads / num_kv_heads)). causal_offset < 0: every query sees every key; else query i
+ * sees keys j <= i + causal_offset (0: a chunk over its own keys; kv_len - q_len: a chunk after
+ * cached context). Writes out [q_len, num_heads, head_dim] (contiguous) and, when lse is not
+ * NULL, the natural-log sum of exp of each row's scaled scores into lse [q_len, num_heads].
+ * num_threads: OpenMP threads to use (torch.get_num_threads()). Returns 0; -1 for a head_dim
+ * this build has no instance of (each multiple of 16 up to 128 has one); -2 when memory runs out.
+ *
+ * How: per (query head, block of BQ queries) an online softmax over blocks of BK keys; scores
+ * come from register-tiled FMAs against K transposed once per call, probabilities are applied
+ * to V rows in place, all in base 2 (scale folded with log2 e into Q). Threads: OpenMP, the
+ * same runtime (libgomp) that torch's CPU build loads, so both share one pool. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BQ 48 /* rows per block: a multiple of R_S (6) and of every RP (24 / (HD / 16)) */
+#define BK 128 /* keys per block */
+#define R_S 6 /* rows per score micro-tile (x 32 columns: 12 accumulators) */
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+
+struct attention_args {
+    const float *q, *k, *v;
+    float *out, *lse;
+    long q_len, kv_len, q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h;
+    int num_heads, num_kv_heads, head_dim, num_threads;
+    long causal_offset;
+    float scale;
+};
+
+/* 2^x for x <= 0 (x - row max); exactly 0 below -126, where -inf (a masked key) lands too.
+ * Degree-7 Taylor polynomial of 2^f on |f| <= 1/2: relative error about 5e-9. */
+static inline __m512 exp2_ps(__m512 x) {
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-126.0f), _CMP_LT_OQ);
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5252733804059841e-05f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps((__mmask16)~tiny, _mm512_scalef_ps(p, n));
+}
+
+#define HD 16
+#include "attention_tile.h"
+#undef HD
+#define HD 32
+#include "attention_tile.h"
+#undef HD
+#define HD 48
+#include "attention_tile.h"
+#undef HD
+#define HD 64
+#include "attention_tile.h"
+#undef HD
+#define HD 80
+#include "attention_tile.h"
+#undef HD
+#define HD 96
+#include "attention_tile.h"
+#undef HD
+#define HD 112
+#include "attention_tile.h"
+#undef HD
+#define HD 128
+#include "attention_tile.h"
+#undef HD
+
+int kvserve_attention(const struct attention_args *args) {
+    switch (args->head_dim) {
+    case 16: return attend_16(args);
+    case 32: return attend_32(args);
+    case 48: return attend_48(args);
+    case 64: return attend_64(args);
+    case 80: return attend_80(args);
+    case 96: return attend_96(args);
+    case 112: return attend_112(args);
+    case 128: return attend_128(args);
+    default: return -1;
+    }
+}

@@ -1,0 +1,124 @@
+"""kvserve's CPU attention kernel against float64 softmax attention, and where it declines."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvserve.model import cpu_attention
+
+pytestmark = pytest.mark.skipif(
+    not cpu_attention.available(),
+    reason="kvserve's CPU attention kernel is not available here (needs x86-64 with AVX-512 "
+           "and a C compiler)")
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+              causal_offset: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention: q [Lq, H, hd], k/v [Lk, KVH, hd] -> out [Lq, H, hd], lse [Lq, H]."""
+    group = q.shape[1] // k.shape[1]
+    kk = k.double().repeat_interleave(group, dim=1)
+    vv = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kk) * scale  # [H, Lq, Lk]
+    if causal_offset is not None:
+        i = torch.arange(q.shape[0])[:, None]
+        j = torch.arange(k.shape[0])[None, :]
+        scores = scores.masked_fill(j > i + causal_offset, float("-inf"))
+    out = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+    return out, torch.logsumexp(scores, -1).transpose(0, 1)
+
+
+# (q_len, kv_len, heads, kv heads, causal offset): shapes around the kernel's 48-row and
+# 128-key blocks, GQA groups of 1-6, a single decode row, chunks after cached context.
+SHAPES = [
+    (1, 1, 1, 1, 0), (1, 17, 2, 1, 16), (5, 300, 8, 8, None), (37, 100, 4, 2, 63),
+    (47, 47, 6, 1, 0), (48, 48, 3, 3, 0), (49, 177, 6, 2, 128), (130, 130, 6, 2, 0),
+    (64, 1030, 12, 4, None), (257, 257, 2, 1, 0), (16, 129, 4, 4, None),
+]
+
+
+# Every head dim on the small shapes; the large ones at three head dims, to keep the suite quick.
+CASES = [(hd, *shape) for hd in cpu_attention.HEAD_DIMS for shape in SHAPES
+         if hd in (16, 64, 128) or shape[0] * shape[1] <= 20_000]
+
+
+@pytest.mark.parametrize(("head_dim", "q_len", "kv_len", "heads", "kv_heads", "offset"), CASES)
+def test_matches_float64_attention(head_dim, q_len, kv_len, heads, kv_heads, offset):
+    gen = torch.Generator().manual_seed(q_len * 1000 + kv_len + head_dim)
+    q = 3 * torch.randn(q_len, heads, head_dim, generator=gen)  # wide scores: a real softmax
+    k = torch.randn(kv_len, kv_heads, head_dim, generator=gen)
+    v = torch.randn(kv_len, kv_heads, head_dim, generator=gen)
+    scale = 1 / math.sqrt(head_dim)
+    got = cpu_attention.attention(q, k, v, scale, causal_offset=offset, with_lse=True)
+    assert got is not None and got[1] is not None
+    want_out, want_lse = reference(q, k, v, scale, offset)
+    torch.testing.assert_close(got[0].double(), want_out, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1].double(), want_lse, atol=2e-5, rtol=1e-5)
+
+
+def test_reads_strided_inputs_in_place():
+    """q/k/v as the views a fused qkv projection yields: token stride > heads * head_dim."""
+    gen = torch.Generator().manual_seed(7)
+    tokens, heads, kv_heads, hd = 70, 4, 2, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * hd, generator=gen)
+    q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    q, k, v = (t.view(tokens, -1, hd) for t in (q, k, v))
+    assert not q.is_contiguous() and not k.is_contiguous()
+    got = cpu_attention.attention(q, k, v, 0.3, causal_offset=0)
+    assert got is not None and got[1] is None
+    torch.testing.assert_close(got[0].double(), reference(q, k, v, 0.3, 0)[0],
+                               atol=2e-5, rtol=1e-5)
+
+
+def test_masked_keys_get_no_weight():
+    """A huge value behind the causal mask must not leak into any output."""
+    q = torch.randn(8, 2, 16)
+    k = torch.randn(8, 1, 16)
+    v = torch.zeros(8, 1, 16)
+    v[-1] = 1e30  # visible only to the last query
+    out = cpu_attention.attention(q, k, v, 0.25, causal_offset=0)
+    assert out is not None
+    assert torch.all(out[0][:-1] == 0)
+    assert torch.all(out[0][-1] > 1e25)
+
+
+@pytest.mark.parametrize("case", ["bfloat16", "head_dim_24", "last_dim_strided",
+                                  "disabled", "dtype_mismatch"])
+def test_declines_what_it_does_not_serve(case):
+    q, k, v = torch.randn(4, 2, 32), torch.randn(4, 1, 32), torch.randn(4, 1, 32)
+    if case == "bfloat16":
+        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    elif case == "head_dim_24":
+        q, k, v = torch.randn(4, 2, 24), torch.randn(4, 1, 24), torch.randn(4, 1, 24)
+    elif case == "last_dim_strided":
+        q = torch.randn(4, 2, 64)[..., ::2]
+    elif case == "dtype_mismatch":
+        k = k.double()
+    if case == "disabled":
+        with cpu_attention.disabled():
+            assert cpu_attention.attention(q, k, v, 0.2) is None
+        assert cpu_attention.attention(q, k, v, 0.2) is not None
+    else:
+        assert cpu_attention.attention(q, k, v, 0.2) is None
+
+
+def test_negative_causal_offset_is_refused():
+    q, k = torch.randn(4, 2, 32), torch.randn(4, 1, 32)
+    with pytest.raises(ValueError, match="causal_offset must be >= 0"):
+        cpu_attention.attention(q, k, k, 0.2, causal_offset=-1)
+
+
+def test_one_build_is_shared_by_later_loads(tmp_path, monkeypatch):
+    """The library is built once into the cache dir, keyed by its sources; a second build
+    call finds it instead of compiling again."""
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+    compiler = cpu_attention.find_compiler()
+    assert compiler is not None
+    first = cpu_attention._build(compiler)
+    assert first.parent == tmp_path / "kernels" and first.exists()
+    mtime = first.stat().st_mtime_ns
+    assert cpu_attention._build(compiler) == first
+    assert first.stat().st_mtime_ns == mtime
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left over
