@@ -122,3 +122,67 @@ def test_one_build_is_shared_by_later_loads(tmp_path, monkeypatch):
     assert cpu_attention._build(compiler) == first
     assert first.stat().st_mtime_ns == mtime
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left over
+
+
+def paged_case(gen: torch.Generator, head_dim: int, heads: int, kv_heads: int, bs: int,
+               lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random caches [64, bs, KVH, hd] and block tables (blocks in random order) for decodes
+    with context `lens`: (query [D, H, hd], key_cache, value_cache, tables [D, max_blocks])."""
+    num_blocks = 64
+    key_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=gen)
+    value_cache = torch.randn(num_blocks, bs, kv_heads, head_dim, generator=gen)
+    width = max(-(-n // bs) for n in lens)
+    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in lens])
+    query = 3 * torch.randn(len(lens), heads, head_dim, generator=gen)
+    return query, key_cache, value_cache, tables
+
+
+def gather(cache: torch.Tensor, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return cache[table].flatten(0, 1)[start:end]  # [end - start, KVH, hd]
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4), (12, 1)])
+@pytest.mark.parametrize("with_window", [False, True])
+def test_paged_decode_reads_the_cache_in_place(head_dim, heads, kv_heads, with_window):
+    gen = torch.Generator().manual_seed(head_dim + heads + with_window)
+    bs, lens = 4, [1, 5, 64, 65, 130, 17]
+    query, key_cache, value_cache, tables = paged_case(gen, head_dim, heads, kv_heads, bs, lens)
+    ends = torch.tensor(lens)
+    starts = (ends - 7).clamp(min=0) if with_window else None
+    scale = head_dim ** -0.5
+    got = cpu_attention.paged_decode(query, key_cache, value_cache, tables, ends, scale,
+                                     starts=starts)
+    assert got is not None
+    for i, n in enumerate(lens):
+        first = int(starts[i]) if starts is not None else 0
+        k, v = gather(key_cache, tables[i], first, n), gather(value_cache, tables[i], first, n)
+        want, _ = reference(query[i:i + 1], k, v, scale, None)
+        torch.testing.assert_close(got[i:i + 1].double(), want, atol=2e-5, rtol=1e-5)
+
+
+def test_paged_decode_merges_the_prior_part_exactly():
+    """The prior (a shared head's output and log-sum-exp) and the tail merge into attention
+    over the head's keys followed by the tail's."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, hd, bs, lens = 6, 2, 32, 8, [1, 9, 40]
+    query, key_cache, value_cache, tables = paged_case(gen, hd, heads, kv_heads, bs, lens)
+    head_k = torch.randn(100, kv_heads, hd, generator=gen)
+    head_v = torch.randn(100, kv_heads, hd, generator=gen)
+    prior_out, prior_lse = reference(query, head_k, head_v, 0.2, None)
+    got = cpu_attention.paged_decode(query, key_cache, value_cache, tables, torch.tensor(lens),
+                                     0.2, prior=(prior_out.float(), prior_lse.float()))
+    assert got is not None
+    for i, n in enumerate(lens):
+        k = torch.cat([head_k, gather(key_cache, tables[i], 0, n)])
+        v = torch.cat([head_v, gather(value_cache, tables[i], 0, n)])
+        want, _ = reference(query[i:i + 1], k, v, 0.2, None)
+        torch.testing.assert_close(got[i:i + 1].double(), want, atol=2e-5, rtol=1e-5)
+
+
+def test_paged_decode_declines_groups_beyond_its_limit():
+    gen = torch.Generator().manual_seed(0)
+    heads = 2 * cpu_attention.MAX_GROUP
+    query, key_cache, value_cache, tables = paged_case(gen, 16, heads, 1, 4, [3])
+    assert cpu_attention.paged_decode(query, key_cache, value_cache, tables,
+                                      torch.tensor([3]), 0.25) is None

@@ -33,10 +33,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["attention", "available", "disabled", "set_enabled"]
+__all__ = ["attention", "available", "disabled", "paged_decode", "set_enabled"]
 
 _LOG = logging.getLogger(__name__)
-_SOURCES = ("attention.c", "attention_tile.h")
+_SOURCES = ("attention.c", "attention_tile.h", "decode_tile.h")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 HEAD_DIMS = tuple(range(16, 129, 16))  # the instances csrc/attention.c compiles
 
@@ -56,8 +56,24 @@ class _Args(ctypes.Structure):
     ]
 
 
+class _DecodeArgs(ctypes.Structure):
+    """Mirror of `struct decode_args` in csrc/attention.c (field order matters)."""
+
+    _fields_ = [
+        *((name, ctypes.c_void_p) for name in (
+            "q", "k_cache", "v_cache", "tables", "starts", "ends", "prior_out", "prior_lse",
+            "out")),
+        *((name, ctypes.c_long) for name in (
+            "num_decodes", "table_stride", "block_size", "q_stride_t", "q_stride_h")),
+        *((name, ctypes.c_int) for name in (
+            "num_heads", "num_kv_heads", "head_dim", "num_threads")),
+        ("scale", ctypes.c_float),
+    ]
+
+
+MAX_GROUP = 16  # query heads per kv head the decode kernel serves (MAX_GROUP in attention.c)
 _lock = threading.Lock()
-_kernel: ctypes._CFuncPtr | None = None  # type: ignore[name-defined]
+_library: ctypes.CDLL | None = None
 _tried = False
 _enabled = os.environ.get("KVSERVE_CPU_ATTENTION", "1") != "0"
 
@@ -108,11 +124,11 @@ def _build(compiler: str) -> Path:
     return target
 
 
-def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
-    global _kernel, _tried
+def _load() -> ctypes.CDLL | None:
+    global _library, _tried
     with _lock:
         if _tried:
-            return _kernel
+            return _library
         _tried = True
         if platform.machine() not in ("x86_64", "AMD64") or \
                 torch.backends.cpu.get_cpu_capability() != "AVX512":
@@ -130,11 +146,11 @@ def _load() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
             _LOG.warning("CPU attention kernel off: build or load failed (%s); using "
                          "PyTorch's attention", str(detail).strip()[:500])
             return None
-        fn = lib.kvserve_attention
-        fn.argtypes = [ctypes.POINTER(_Args)]
-        fn.restype = ctypes.c_int
-        _kernel = fn
-        return fn
+        lib.kvserve_attention.argtypes = [ctypes.POINTER(_Args)]
+        lib.kvserve_paged_decode.argtypes = [ctypes.POINTER(_DecodeArgs)]
+        lib.kvserve_attention.restype = lib.kvserve_paged_decode.restype = ctypes.c_int
+        _library = lib
+        return lib
 
 
 def available() -> bool:
@@ -180,8 +196,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
     if causal_offset is not None and causal_offset < 0:
         raise ValueError(f"causal_offset must be >= 0 (a query must see key 0), got "
                          f"{causal_offset}")
-    kernel = _load()
-    if kernel is None:
+    lib = _load()
+    if lib is None:
         return None
     out = torch.empty(q_len, num_heads, head_dim)
     lse = torch.empty(q_len, num_heads) if with_lse else None
@@ -191,8 +207,53 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
                  value.stride(0), value.stride(1), num_heads, num_kv_heads, head_dim,
                  torch.get_num_threads(), -1 if causal_offset is None else causal_offset,
                  scale)
-    status = kernel(ctypes.byref(args))
+    status = lib.kvserve_attention(ctypes.byref(args))
     if status != 0:
         raise MemoryError(f"CPU attention kernel failed (status {status}): out of memory "
                           f"for {num_kv_heads} x {head_dim} x {kv_len} keys")
     return out, lse
+
+
+def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 tables: torch.Tensor, ends: torch.Tensor, scale: float, *,
+                 starts: torch.Tensor | None = None,
+                 prior: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+    """One query token per decode over its keys, read in place from the paged cache; None
+    where the kernel does not serve the call.
+
+    query [D, H, hd] (last dim contiguous); key_cache, value_cache [num_blocks, block_size,
+    KVH, hd] (contiguous); tables [D, max_blocks] int64 (row i: decode i's blocks in position
+    order); decode i attends to positions [starts[i] (0 when None), ends[i]) (int64 [D];
+    ends > starts). `prior` (out [D, H, hd], lse [D, H]): a softmax part over other keys (a
+    shared head), merged in exactly. Returns [D, H, hd] (contiguous).
+    """
+    if not _enabled or query.device.type != "cpu" or query.dtype != torch.float32:
+        return None
+    num_decodes, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if (head_dim not in HEAD_DIMS or num_heads % num_kv_heads
+            or num_heads // num_kv_heads > MAX_GROUP or query.stride(-1) != 1
+            or key_cache.dtype != query.dtype or value_cache.dtype != query.dtype
+            or not key_cache.is_contiguous() or not value_cache.is_contiguous()
+            or tables.dtype != torch.int64 or tables.stride(-1) != 1):
+        return None
+    lib = _load()
+    if lib is None:
+        return None
+    ends = ends.to(torch.int64).contiguous()
+    if starts is not None:
+        starts = starts.to(torch.int64).contiguous()
+    prior_out = prior_lse = None
+    if prior is not None:
+        prior_out, prior_lse = prior[0].contiguous(), prior[1].float().contiguous()
+    out = torch.empty(num_decodes, num_heads, head_dim)
+    args = _DecodeArgs(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
+        None if starts is None else starts.data_ptr(), ends.data_ptr(),
+        None if prior_out is None else prior_out.data_ptr(),
+        None if prior_lse is None else prior_lse.data_ptr(), out.data_ptr(),
+        num_decodes, tables.stride(0), key_cache.shape[1], query.stride(0), query.stride(1),
+        num_heads, num_kv_heads, head_dim, torch.get_num_threads(), scale)
+    if lib.kvserve_paged_decode(ctypes.byref(args)) != 0:
+        return None
+    return out

@@ -7,12 +7,15 @@ parts are merged exactly (see cascade_attention for the log-sum-exp identity). T
 (AttentionMetadata.decode_cascade) ends the head before every decode's new token, so no tail is
 empty and no row's softmax is over nothing.
 
-Two implementations of one contract, both exact replacements for the reference decode path:
+Three implementations of one contract, each an exact replacement for the reference decode path:
 
-- CPU float32: the head through kvserve's CPU kernel (cpu_attention) where it serves the call,
-  else PyTorch's CPU flash-attention kernel, GQA folded into rows ([1, KVH, D*G, hd] against
-  [1, KVH, L_head, hd], no K/V repeated); each tail with one batched
-  matmul over all its kv heads' keys at once, other heads' keys masked, so the gathered tail is
+- CPU float32 where kvserve's CPU kernels serve the call (cpu_attention): the head through the
+  attention kernel, the tails read in place from the cache by the paged decode kernel, which
+  merges the head's part in.
+- Other CPU float32 calls: the head through PyTorch's CPU flash-attention kernel, GQA folded
+  into rows ([1, KVH, D*G, hd] against [1, KVH, L_head, hd], no K/V repeated); each tail with
+  one batched matmul over all its kv heads' keys at once, other heads' keys masked, so the
+  gathered tail is
   used in the cache's own layout, never transposed or copied again; the head enters the tail's
   softmax as one extra key whose score is its log-sum-exp and whose value is its output, so one
   softmax both normalises the tail and merges the parts. The tail matmuls do num_kv_heads times
@@ -41,12 +44,31 @@ def cascade_decode(query: torch.Tensor, kv_cache: KVCache, plan: DecodeCascade,
                    scale: float) -> torch.Tensor:
     """Decodes sharing `plan`'s head: query [D, H, hd] (row i: decode i of the plan) ->
     [D, H, hd] in query's dtype, equal to attending over each whole context. Reads the head's
-    K/V once for all D decodes; CPU float32 takes the flash-kernel path, the rest the portable
-    one."""
+    K/V once for all D decodes; CPU float32 takes kvserve's kernels (else the flash-kernel
+    path), the rest the portable one (see the module docstring)."""
     if query.device.type == "cpu" and query.dtype == torch.float32 \
             and kv_cache.key_cache.dtype == torch.float32:
+        by_kernel = _cascade_decode_kernel(query, kv_cache, plan, scale)
+        if by_kernel is not None:
+            return by_kernel
         return _cascade_decode_cpu(query, kv_cache, plan, scale)
     return cascade_decode_portable(query, kv_cache, plan, scale)
+
+
+def _cascade_decode_kernel(query: torch.Tensor, kv_cache: KVCache, plan: DecodeCascade,
+                           scale: float) -> torch.Tensor | None:
+    """kvserve's CPU kernels, or None where they do not serve the call: the head through
+    `cpu_attention.attention` (every decode's query against the head, gathered once), then
+    each tail read in place from the cache by `cpu_attention.paged_decode`, which starts each
+    row's softmax from the head's part (output and log-sum-exp): one exact merge, no copies."""
+    k_head = kv_cache.key_cache.index_select(0, plan.head_block_ids).flatten(0, 1)  # [Lh,KVH,hd]
+    v_head = kv_cache.value_cache.index_select(0, plan.head_block_ids).flatten(0, 1)
+    head = cpu_attention.attention(query, k_head, v_head, scale, with_lse=True)
+    if head is None or head[1] is None:
+        return None
+    tables = plan.tail_block_ids.view(query.shape[0], -1)  # [D, tail_len // block_size]
+    return cpu_attention.paged_decode(query, kv_cache.key_cache, kv_cache.value_cache, tables,
+                                      plan.tail_lens, scale, prior=(head[0], head[1]))
 
 
 def _cascade_decode_cpu(query: torch.Tensor, kv_cache: KVCache, plan: DecodeCascade,
@@ -59,7 +81,11 @@ def _cascade_decode_cpu(query: torch.Tensor, kv_cache: KVCache, plan: DecodeCasc
     head_shape = (1, plan.head_len, num_kv_heads, head_dim)
     k_head = kv_cache.key_cache.index_select(0, plan.head_block_ids).view(head_shape)
     v_head = kv_cache.value_cache.index_select(0, plan.head_block_ids).view(head_shape)
-    o_head, lse_rows = _head_part(query, k_head, v_head, scale)  # [D,KVH,G,hd], [D,H,1]
+    q_rows = query.reshape(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1).reshape(
+        1, num_kv_heads, num_decodes * group, head_dim)  # [1, KVH, D*G, hd]
+    o_head, lse_head = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q_rows, k_head.transpose(1, 2), v_head.transpose(1, 2), 0.0, False,
+        scale=scale)  # [1, KVH, D*G, hd], [1, KVH, D*G]
     num_keys = plan.tail_len * num_kv_heads  # each decode's tail keys of every kv head
     k_tail = kv_cache.key_cache.index_select(0, plan.tail_block_ids).view(
         num_decodes, num_keys, head_dim)  # [D, tail_len * KVH, hd], position-major
@@ -67,32 +93,13 @@ def _cascade_decode_cpu(query: torch.Tensor, kv_cache: KVCache, plan: DecodeCasc
         num_decodes, num_keys, head_dim)
     scores = torch.baddbmm(plan.tail_bias(num_heads, num_kv_heads), query,
                            k_tail.transpose(1, 2), alpha=scale)  # [D, H, tail_len * KVH]
+    lse_rows = lse_head.view(num_kv_heads, num_decodes, group).transpose(0, 1).reshape(
+        num_decodes, num_heads, 1)  # [D, H, 1]
     probs = torch.cat([scores, lse_rows], dim=-1).softmax(dim=-1)  # [D, H, tail keys + 1]
+    o_head = o_head.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1)
     head_part = probs[..., num_keys:].view(num_decodes, num_kv_heads, group, 1) * o_head
     return torch.baddbmm(head_part.view(num_decodes, num_heads, head_dim),
                          probs[..., :num_keys], v_tail)  # [D, H, hd]
-
-
-def _head_part(query: torch.Tensor, k_head: torch.Tensor, v_head: torch.Tensor,
-               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every decode's query [D, H, hd] over the head k/v [1, Lh, KVH, hd]: output
-    [D, KVH, G, hd] and log-sum-exp [D, H, 1]. kvserve's CPU kernel where it serves the call,
-    else PyTorch's flash kernel with GQA folded into rows (K/V never repeated)."""
-    num_decodes, num_heads, head_dim = query.shape
-    num_kv_heads = k_head.shape[2]
-    group = num_heads // num_kv_heads
-    fast = cpu_attention.attention(query, k_head[0], v_head[0], scale, with_lse=True)
-    if fast is not None and fast[1] is not None:
-        return (fast[0].view(num_decodes, num_kv_heads, group, head_dim),
-                fast[1].view(num_decodes, num_heads, 1))
-    q_rows = query.reshape(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1).reshape(
-        1, num_kv_heads, num_decodes * group, head_dim)  # [1, KVH, D*G, hd]
-    o_head, lse_head = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q_rows, k_head.transpose(1, 2), v_head.transpose(1, 2), 0.0, False,
-        scale=scale)  # [1, KVH, D*G, hd], [1, KVH, D*G]
-    lse_rows = lse_head.view(num_kv_heads, num_decodes, group).transpose(0, 1).reshape(
-        num_decodes, num_heads, 1)  # [D, H, 1]
-    return o_head.view(num_kv_heads, num_decodes, group, head_dim).transpose(0, 1), lse_rows
 
 
 def cascade_decode_portable(query: torch.Tensor, kv_cache: KVCache, plan: DecodeCascade,

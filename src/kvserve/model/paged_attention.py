@@ -22,8 +22,9 @@ context once per layer, so this path is memory-bound; it is the correctness refe
 faster kernels must match. Where sequences share a head of blocks (a prefix-cache hit), decodes
 and prefill chunks take the cascade paths of decode_cascade and cascade_attention instead (no
 sliding window): the head is read once for all of them, with the same result. Prefill attention
-without a sliding window runs through kvserve's CPU kernel (cpu_attention) where it serves the
-call: float32 on CPUs with AVX-512, the same result in another summation order.
+without a sliding window, and every decode, run through kvserve's CPU kernels (cpu_attention)
+where they serve the call: float32 on CPUs with AVX-512, the same result in another summation
+order, decodes reading K/V in place from the cache (no gather).
 """
 
 from __future__ import annotations
@@ -180,6 +181,13 @@ def _decode_attention(query: torch.Tensor, kv_cache: KVCache, plan: DecodeBatch,
     `cascade` when they share a head (never with a sliding window)."""
     if cascade is not None:
         return cascade_decode(query, kv_cache, cascade, scale)
+    starts = None
+    if sliding_window is not None:
+        starts = (plan.seq_lens - sliding_window).clamp_(min=0)  # first key in the window
+    fast = cpu_attention.paged_decode(query, kv_cache.key_cache, kv_cache.value_cache,
+                                      plan.block_tables, plan.seq_lens, scale, starts=starts)
+    if fast is not None:
+        return fast
     block_size = kv_cache.block_size
     num_blocks = -(-plan.max_seq_len // block_size)
     tables = plan.block_tables[:, :num_blocks]  # [D, num_blocks]

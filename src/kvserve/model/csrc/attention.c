@@ -16,6 +16,7 @@
  * same runtime (libgomp) that torch's CPU build loads, so both share one pool. */
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -33,6 +34,27 @@ struct attention_args {
     long causal_offset;
     float scale;
 };
+
+/* Contract (kvserve_paged_decode): one query token per decode i < num_decodes, q [D, H, HD]
+ * (token and head strides in elements), attending to the keys at positions [starts[i], ends[i])
+ * (starts NULL: from 0; ends[i] > starts[i]) of its sequence, read in place from the paged
+ * caches k_cache/v_cache [num_blocks, block_size, num_kv_heads, HD] (contiguous) through row i
+ * of tables (int64, table_stride apart; position p sits in block tables[p / block_size] at
+ * offset p % block_size). With prior_out [D, H, HD] and prior_lse [D, H] (contiguous), that
+ * softmax part over other keys (a shared head) is merged in exactly. Writes out [D, H, HD]
+ * (contiguous). num_heads / num_kv_heads must be <= MAX_GROUP. Returns 0; -1 for a head_dim
+ * or group this build does not serve. */
+struct decode_args {
+    const float *q, *k_cache, *v_cache;
+    const int64_t *tables, *starts, *ends;
+    const float *prior_out, *prior_lse;
+    float *out;
+    long num_decodes, table_stride, block_size, q_stride_t, q_stride_h;
+    int num_heads, num_kv_heads, head_dim, num_threads;
+    float scale;
+};
+#define MAX_GROUP 16 /* query heads per kv head */
+#define DCH 64 /* keys per chunk of a decode's online softmax */
 
 /* 2^x for x <= 0 (x - row max); exactly 0 below -126, where -inf (a masked key) lands too.
  * Degree-7 Taylor polynomial of 2^f on |f| <= 1/2: relative error about 5e-9. */
@@ -54,27 +76,35 @@ static inline __m512 exp2_ps(__m512 x) {
 
 #define HD 16
 #include "attention_tile.h"
+#include "decode_tile.h"
 #undef HD
 #define HD 32
 #include "attention_tile.h"
+#include "decode_tile.h"
 #undef HD
 #define HD 48
 #include "attention_tile.h"
+#include "decode_tile.h"
 #undef HD
 #define HD 64
 #include "attention_tile.h"
+#include "decode_tile.h"
 #undef HD
 #define HD 80
 #include "attention_tile.h"
+#include "decode_tile.h"
 #undef HD
 #define HD 96
 #include "attention_tile.h"
+#include "decode_tile.h"
 #undef HD
 #define HD 112
 #include "attention_tile.h"
+#include "decode_tile.h"
 #undef HD
 #define HD 128
 #include "attention_tile.h"
+#include "decode_tile.h"
 #undef HD
 
 int kvserve_attention(const struct attention_args *args) {
@@ -87,6 +117,21 @@ int kvserve_attention(const struct attention_args *args) {
     case 96: return attend_96(args);
     case 112: return attend_112(args);
     case 128: return attend_128(args);
+    default: return -1;
+    }
+}
+
+int kvserve_paged_decode(const struct decode_args *args) {
+    if (args->num_heads / args->num_kv_heads > MAX_GROUP) return -1;
+    switch (args->head_dim) {
+    case 16: return decode_16(args);
+    case 32: return decode_32(args);
+    case 48: return decode_48(args);
+    case 64: return decode_64(args);
+    case 80: return decode_80(args);
+    case 96: return decode_96(args);
+    case 112: return decode_112(args);
+    case 128: return decode_128(args);
     default: return -1;
     }
 }
