@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.model import cpu_attention, write_random_checkpoint
+from kvserve.model import cpu_kernels, write_random_checkpoint
 
 from .arch_configs import ARCH_CONFIGS
 
@@ -27,13 +27,13 @@ def llama_dir(arch_checkpoints: dict[str, Path]) -> Path:
 
 @pytest.fixture(params=["cpu_kernel", "pytorch"])
 def attention_impl(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Run a test once through kvserve's CPU attention kernel and once through the PyTorch
+    """Run a test once through kvserve's CPU kernels and once through the PyTorch
     paths (the reference); the kernel run skips where the kernel cannot be built."""
     if request.param == "pytorch":
-        with cpu_attention.disabled():
+        with cpu_kernels.disabled():
             yield request.param
         return
-    if not cpu_attention.available():
-        pytest.skip("kvserve's CPU attention kernel is not available here (needs x86-64 with "
+    if not cpu_kernels.available():
+        pytest.skip("kvserve's CPU kernels are not available here (needs x86-64 with "
                     "AVX-512 and a C compiler)")
     yield request.param

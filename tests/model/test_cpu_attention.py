@@ -7,11 +7,11 @@ import math
 import pytest
 import torch
 
-from kvserve.model import cpu_attention
+from kvserve.model import cpu_attention, cpu_kernels
 
 pytestmark = pytest.mark.skipif(
-    not cpu_attention.available(),
-    reason="kvserve's CPU attention kernel is not available here (needs x86-64 with AVX-512 "
+    not cpu_kernels.available(),
+    reason="kvserve's CPU kernels are not available here (needs x86-64 with AVX-512 "
            "and a C compiler)")
 
 
@@ -97,7 +97,7 @@ def test_declines_what_it_does_not_serve(case):
     elif case == "dtype_mismatch":
         k = k.double()
     if case == "disabled":
-        with cpu_attention.disabled():
+        with cpu_kernels.disabled():
             assert cpu_attention.attention(q, k, v, 0.2) is None
         assert cpu_attention.attention(q, k, v, 0.2) is not None
     else:
@@ -108,20 +108,6 @@ def test_negative_causal_offset_is_refused():
     q, k = torch.randn(4, 2, 32), torch.randn(4, 1, 32)
     with pytest.raises(ValueError, match="causal_offset must be >= 0"):
         cpu_attention.attention(q, k, k, 0.2, causal_offset=-1)
-
-
-def test_one_build_is_shared_by_later_loads(tmp_path, monkeypatch):
-    """The library is built once into the cache dir, keyed by its sources; a second build
-    call finds it instead of compiling again."""
-    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
-    compiler = cpu_attention.find_compiler()
-    assert compiler is not None
-    first = cpu_attention._build(compiler)
-    assert first.parent == tmp_path / "kernels" and first.exists()
-    mtime = first.stat().st_mtime_ns
-    assert cpu_attention._build(compiler) == first
-    assert first.stat().st_mtime_ns == mtime
-    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary left over
 
 
 def paged_case(gen: torch.Generator, head_dim: int, heads: int, kv_heads: int, bs: int,

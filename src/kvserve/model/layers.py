@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.model import cpu_pointwise
 from kvserve.model.onednn_linear import PackedLinear
 
 
@@ -36,9 +37,23 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] -> [..., dim], same dtype."""
+        fast = cpu_pointwise.rms_norm(x, self.weight, self.eps)
+        if fast is not None:
+            return fast
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_and_norm(self, residual: torch.Tensor,
+                     delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + delta, this norm of it), both [T, dim]: the pre-norm block's residual add
+        and the norm after it, in one pass where kvserve's CPU kernel serves the call (the sum
+        is then written into `delta`, which the caller gives up)."""
+        fused = cpu_pointwise.add_rms_norm(residual, delta, self.weight, self.eps)
+        if fused is not None:
+            return fused
+        total = residual + delta
+        return total, self(total)
 
 
 def drop_dense(*linears: nn.Linear) -> None:
@@ -89,11 +104,19 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]."""
         if self.packed_gate_up is not None and self.packed_down is not None:
-            gate, up = self.packed_gate_up(x).chunk(2, dim=-1)  # [num_tokens, inter] each
-            return self.packed_down(F.silu(gate) * up)
+            return self.packed_down(_silu_mul(self.packed_gate_up(x)))
         if self.gate_up is None:
             out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
             return out
-        gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)  # [num_tokens, inter] each
-        fused: torch.Tensor = self.down_proj(F.silu(gate) * up)
+        fused: torch.Tensor = self.down_proj(_silu_mul(F.linear(x, *self.gate_up)))
         return fused
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [T, 2 * inter] (gate first) -> [T, inter]: one pass through
+    kvserve's CPU kernel where it serves the call."""
+    fast = cpu_pointwise.silu_mul(gate_up)
+    if fast is not None:
+        return fast
+    gate, up = gate_up.chunk(2, dim=-1)  # [T, inter] each
+    return F.silu(gate) * up

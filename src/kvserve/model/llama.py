@@ -20,7 +20,7 @@ from kvserve.model.config import ModelConfig
 from kvserve.model.layers import FactoryKwargs, GatedMLP, RMSNorm, drop_dense
 from kvserve.model.onednn_linear import PackedLinear
 from kvserve.model.paged_attention import KVCache, paged_attention
-from kvserve.model.rotary import RotaryEmbedding, apply_rotary
+from kvserve.model.rotary import RotaryEmbedding, apply_rotary_
 
 Device = torch.device | str | None
 
@@ -92,7 +92,7 @@ class Attention(nn.Module):
         v = v_flat.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_(q, cos, sin), apply_rotary_(k, cos, sin)  # q, k: fresh views
         out = paged_attention(q, k, v, kv_cache, attn_metadata,
                               sliding_window=self.sliding_window)  # [T, H, hd]
         flat = out.reshape(num_tokens, -1)  # [T, q_size]
@@ -117,9 +117,9 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """hidden [num_tokens, hidden] -> [num_tokens, hidden]."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache,
-                                         attn_metadata)
-        out: torch.Tensor = hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
+        hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, attn)
+        out: torch.Tensor = hidden + self.mlp(normed)
         return out
 
 

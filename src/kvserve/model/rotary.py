@@ -13,6 +13,7 @@ import math
 import torch
 from torch import nn
 
+from kvserve.model import cpu_pointwise
 from kvserve.model.config import ModelConfig, RopeScaling
 
 
@@ -79,3 +80,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [num_tokens, num_heads, hd]
     return x * cos + rotated * sin
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary`, in place through kvserve's CPU kernel where it serves the call (x is then
+    overwritten and returned), else out of place (x untouched): use the result, not x."""
+    rotated = cpu_pointwise.rotary_(x, cos, sin)
+    return rotated if rotated is not None else apply_rotary(x, cos, sin)

@@ -25,6 +25,9 @@ class EngineArgs:
     `onednn_linear`: on CPU, run the linear layers through oneDNN with prepacked weights (the
     same fp32 math, in another summation order; 1.8-2.2x faster than PyTorch's default BLAS on
     the AMD CPUs measured); False keeps PyTorch's `F.linear`.
+    `cpu_kernels`: on CPU, run attention and the fused position-wise ops through kvserve's own
+    kernels (model/cpu_kernels; float32, AVX-512, built with the system's C compiler on first
+    use, else PyTorch's ops); False keeps PyTorch's ops. Process-wide.
     `idle_audit_interval_s`: the idle check runs whenever the engine drains; the full audit
     runs on a drain at most once per that many seconds (0: on every drain).
     `reuse_host_memory`: on CPU, make the C library keep freed memory for reuse instead of
@@ -51,6 +54,7 @@ class EngineArgs:
     num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
     served_model_name: str | None = None
     onednn_linear: bool = True
+    cpu_kernels: bool = True
     reuse_host_memory: bool = True
 
     def __post_init__(self) -> None:

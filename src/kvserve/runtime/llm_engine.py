@@ -29,6 +29,7 @@ from kvserve.model import (
     allocate_disk_kv_caches,
     allocate_host_kv_caches,
     allocate_kv_caches,
+    cpu_kernels,
     kv_cache_bytes_per_block,
     load_model,
 )
@@ -119,6 +120,9 @@ class LLMEngine:
         disk = allocate_disk_kv_caches(config, num_disk_slots, args.block_size,
                                        dtype=loaded.dtype, path=args.kv_disk_tier_path
                                        ) if num_disk_slots and args.kv_disk_tier_path else None
+        cpu_kernels.set_enabled(args.cpu_kernels)
+        if args.cpu_kernels and loaded.device.type == "cpu":
+            cpu_kernels.available()  # build (or load) now, not inside the first request
         if args.onednn_linear and onednn_available(loaded.device, loaded.dtype):
             loaded.model.pack_for_onednn()
         runner = ModelRunner(loaded.model, kv_caches, args.block_size,
