@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from kvserve import __version__
 from kvserve.bench import (
+    attention_cli,
     disagg_cli,
     engine_cli,
     gateway_cli,
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile_cli.add_parser(benches)
     disagg_cli.add_parser(benches)
     preemption_cli.add_parser(benches)
+    attention_cli.add_parser(benches)
     serve_command.add_parser(commands)
     gateway_command.add_parsers(commands)
     simulate_command.add_parser(commands)

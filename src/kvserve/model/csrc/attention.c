@@ -56,6 +56,12 @@ struct decode_args {
     float scale;
 };
 #define MAX_GROUP 16 /* query heads per kv head */
+#define PARALLEL_MIN_WORK (1L << 20) /* multiply-adds below which a call runs on one thread */
+
+/* Query rows times keys of an attention call (its multiply-adds over HD). */
+static inline long num_rows_work(const struct attention_args *a) {
+    return a->q_len * a->num_heads * a->kv_len;
+}
 #define DCH 64 /* keys per chunk of a decode's online softmax */
 
 #define HD 16

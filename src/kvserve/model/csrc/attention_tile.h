@@ -160,13 +160,15 @@ static int FN(attend)(const struct attention_args *a) {
     const long ldk = ((a->kv_len + 31) & ~31L) + 16;
     float *kt = aligned_alloc(64, sizeof(float) * a->num_kv_heads * HD * ldk);
     if (!kt) return -2;
-#pragma omp parallel for schedule(static) num_threads(a->num_threads)
+    /* Small calls (a short tail) run on the calling thread: waking the pool costs more. */
+    const int threads = num_rows_work(a) * HD >= PARALLEL_MIN_WORK ? a->num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (int kvh = 0; kvh < a->num_kv_heads; kvh++)
         FN(transpose_keys)(a, kvh, kt + (long)kvh * HD * ldk, ldk);
     const long num_rows = a->q_len * (a->num_heads / a->num_kv_heads);
     const long num_blocks = (num_rows + BQ - 1) / BQ;
     const long items = num_blocks * a->num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(a->num_threads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (long item = 0; item < items; item++) {
         /* Last blocks first: under a causal mask they see the most keys. */
         const long block = num_blocks - 1 - item / a->num_kv_heads;

@@ -96,7 +96,11 @@ static void FN(decode_item)(const struct decode_args *a, long i, int kvh) {
 
 static int FN(decode)(const struct decode_args *a) {
     const long items = a->num_decodes * a->num_kv_heads;
-#pragma omp parallel for schedule(dynamic, 4) num_threads(a->num_threads)
+    long keys = 0;
+    for (long i = 0; i < a->num_decodes; i++) keys += a->ends[i] - (a->starts ? a->starts[i] : 0);
+    /* Small calls run on the calling thread: waking the pool costs more. */
+    const int threads = keys * a->num_heads * HD >= PARALLEL_MIN_WORK ? a->num_threads : 1;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
     for (long item = 0; item < items; item++)
         FN(decode_item)(a, item / a->num_kv_heads, (int)(item % a->num_kv_heads));
     return 0;

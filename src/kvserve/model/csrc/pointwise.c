@@ -1,12 +1,16 @@
 /* Fused position-wise ops of a Llama-family layer for x86-64 CPUs with AVX-512, float32:
  * kvserve's CPU kernels, each one pass over its rows where PyTorch's eager ops take several.
- * Rows are split over num_threads OpenMP threads (torch's own libgomp pool). Every tensor has a
+ * Rows are split over num_threads OpenMP threads (torch's own libgomp pool) when there are at
+ * least PARALLEL_MIN_ELEMS elements; fewer run on the calling thread, since waking the pool costs
+ * more than they take (torch draws the same line). Every tensor has a
  * contiguous last dim; the row strides are in elements. Each returns 0, or -1 for a dim that is
  * not a multiple of 16 (the caller then takes its PyTorch path). */
 #include <immintrin.h>
 #include <math.h>
 
 #include "vec_math.h"
+
+#define PARALLEL_MIN_ELEMS 32768
 
 /* RMSNorm: out[t] = weight * x[t] / sqrt(mean(x[t]^2) + eps), x [T, dim]. With residual not
  * NULL, x[t] is residual[t] + delta[t] first, and that sum is written back into residual
@@ -15,7 +19,8 @@ int kvserve_rms_norm(const float *delta, long delta_stride, float *residual, lon
                      const float *weight, float *out, long out_stride, long tokens, long dim,
                      float eps, int num_threads) {
     if (dim % 16) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (tokens * dim >= PARALLEL_MIN_ELEMS)
     for (long t = 0; t < tokens; t++) {
         const float *x = delta + t * delta_stride;
         float *res = residual ? residual + t * res_stride : 0;
@@ -43,7 +48,8 @@ int kvserve_silu_mul(const float *gate_up, long gu_stride, float *out, long out_
                      long tokens, long dim, int num_threads) {
     if (dim % 16) return -1;
     const __m512 log2e = _mm512_set1_ps((float)M_LOG2E), one = _mm512_set1_ps(1.0f);
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (tokens * dim >= PARALLEL_MIN_ELEMS)
     for (long t = 0; t < tokens; t++) {
         const float *g = gate_up + t * gu_stride, *u = g + dim;
         float *dst = out + t * out_stride;
@@ -69,7 +75,8 @@ int kvserve_rotary(float *x, long x_stride_t, long x_stride_h, long tokens, long
                    long head_dim, const float *cos_t, const float *sin_t, int num_threads) {
     const long half = head_dim / 2;
     if (half % 16) return -1;
-#pragma omp parallel for schedule(static) num_threads(num_threads)
+#pragma omp parallel for schedule(static) num_threads(num_threads) \
+    if (tokens * heads * head_dim >= PARALLEL_MIN_ELEMS)
     for (long t = 0; t < tokens; t++) {
         const float *c = cos_t + t * head_dim, *s = sin_t + t * head_dim;
         for (long h = 0; h < heads; h++) {
