@@ -58,6 +58,13 @@ struct decode_args {
 #define MAX_GROUP 16 /* query heads per kv head */
 #define PARALLEL_MIN_WORK (1L << 20) /* multiply-adds below which a call runs on one thread */
 
+/* Position pos of a sequence in a paged cache [blocks, block_size, rows of row_stride floats]
+ * through its block table. */
+static inline const float *paged_row(const float *cache, const int64_t *table, long pos,
+                                     long block_size, long row_stride) {
+    return cache + (table[pos / block_size] * block_size + pos % block_size) * row_stride;
+}
+
 /* Query rows times keys of an attention call (its multiply-adds over HD). */
 static inline long num_rows_work(const struct attention_args *a) {
     return a->q_len * a->num_heads * a->kv_len;

@@ -39,7 +39,8 @@ static inline void FN(tile_pv)(float *restrict o, const float *restrict p,
     for (int r = 0; r < RP; r++) {
         const __m512 a = _mm512_set1_ps(alpha[r]);
 #pragma GCC unroll 8
-        for (int x = 0; x < NV; x++) acc[r][x] = _mm512_mul_ps(_mm512_loadu_ps(o + r * HD + 16 * x), a);
+        for (int x = 0; x < NV; x++)
+            acc[r][x] = _mm512_mul_ps(_mm512_loadu_ps(o + r * HD + 16 * x), a);
     }
     for (int j = 0; j < kn; j++) {
         __m512 vj[NV];
@@ -104,20 +105,8 @@ static void FN(attend_block)(const struct attention_args *a, const float *restri
                 visible = lim < kn ? (lim > 0 ? (int)lim : 0) : kn;
             }
             for (int c = visible; c < kn_pad; c++) row[c] = -INFINITY;
-            __m512 mx = _mm512_set1_ps(-INFINITY);
-            for (int c = 0; c < kn_pad; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + c));
-            const float m_new = fmaxf(m[r], _mm512_reduce_max_ps(mx));
-            /* m_new is finite: every row sees key 0 in the first block (causal_offset >= 0). */
-            const __m512 mv = _mm512_set1_ps(m_new);
-            __m512 sum = _mm512_setzero_ps();
-            for (int c = 0; c < kn_pad; c += 16) {
-                const __m512 pv = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(row + c), mv));
-                _mm512_storeu_ps(row + c, pv);
-                sum = _mm512_add_ps(sum, pv);
-            }
-            alpha[r] = exp2f(m[r] - m_new);
-            l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
-            m[r] = m_new;
+            /* Finite max: every row sees key 0 in the first block (causal_offset >= 0). */
+            alpha[r] = online_softmax_block(row, kn_pad, m + r, l + r);
         }
         for (int r = 0; r < BQ; r += RP)
             FN(tile_pv)(o + r * HD, s + r * BK, v_head + k0 * a->v_stride_t, a->v_stride_t, kn,

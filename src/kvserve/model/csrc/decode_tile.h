@@ -35,8 +35,8 @@ static void FN(decode_item)(const struct decode_args *a, long i, int kvh) {
         const int n_pad = (n + 15) & ~15;
         for (int j = 0; j < n; j++) {
             const long pos = p0 + j;
-            const float *kp = a->k_cache + (table[pos / a->block_size] * a->block_size +
-                                            pos % a->block_size) * row_stride + kvh * HD;
+            const float *kp =
+                paged_row(a->k_cache, table, pos, a->block_size, row_stride) + kvh * HD;
             __m512 kx[NV];
 #pragma GCC unroll 8
             for (int x = 0; x < NV; x++) kx[x] = _mm512_loadu_ps(kp + 16 * x);
@@ -51,19 +51,7 @@ static void FN(decode_item)(const struct decode_args *a, long i, int kvh) {
         for (int r = 0; r < group; r++) {
             float *row = sc + r * DCH;
             for (int j = n; j < n_pad; j++) row[j] = -INFINITY;
-            __m512 mx = _mm512_set1_ps(-INFINITY);
-            for (int j = 0; j < n_pad; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(row + j));
-            const float m_new = fmaxf(m[r], _mm512_reduce_max_ps(mx));  /* finite: n >= 1 */
-            const __m512 mv = _mm512_set1_ps(m_new);
-            __m512 sum = _mm512_setzero_ps();
-            for (int j = 0; j < n_pad; j += 16) {
-                const __m512 pv = exp2_ps(_mm512_sub_ps(_mm512_loadu_ps(row + j), mv));
-                _mm512_storeu_ps(row + j, pv);
-                sum = _mm512_add_ps(sum, pv);
-            }
-            const float alpha = exp2f(m[r] - m_new);
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(sum);
-            m[r] = m_new;
+            const float alpha = online_softmax_block(row, n_pad, m + r, l + r);  /* n >= 1 */
             const __m512 av = _mm512_set1_ps(alpha);
             for (int x = 0; x < NV; x++)
                 _mm512_storeu_ps(o + r * HD + 16 * x,
@@ -71,8 +59,8 @@ static void FN(decode_item)(const struct decode_args *a, long i, int kvh) {
         }
         for (int j = 0; j < n; j++) {
             const long pos = p0 + j;
-            const float *vp = a->v_cache + (table[pos / a->block_size] * a->block_size +
-                                            pos % a->block_size) * row_stride + kvh * HD;
+            const float *vp =
+                paged_row(a->v_cache, table, pos, a->block_size, row_stride) + kvh * HD;
             __m512 vx[NV];
 #pragma GCC unroll 8
             for (int x = 0; x < NV; x++) vx[x] = _mm512_loadu_ps(vp + 16 * x);
