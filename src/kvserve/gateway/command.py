@@ -130,6 +130,10 @@ def run_up(args: argparse.Namespace) -> int:
         args.admin_key = secrets.token_hex(16)  # shared by these workers and the gateway only
     ports = [free_port() for _ in roles]
     threads = max(1, (os.cpu_count() or 1) // len(roles))
+    # SIGTERM (systemd, Kubernetes, `kill`) must stop the workers too. uvicorn shuts down on it
+    # and then raises it again with the handler it found; with the default one, that killed
+    # this process before the `finally` below, leaving every worker running.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     procs = []
     for port, role in zip(ports, roles, strict=True):
         cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port),
@@ -169,6 +173,10 @@ def run_up(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 proc.kill()
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]],

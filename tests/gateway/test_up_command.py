@@ -1,0 +1,35 @@
+"""`kvserve up` stops its workers when it is stopped, by SIGINT or by SIGTERM."""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .processes import WORKER_FLAGS, Process, wait_until
+
+
+def _serving(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1.0).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_stopping_up_stops_its_workers(tmp_path: Path, sig: signal.Signals) -> None:
+    worker_args = [f"--worker-arg={flag}" for flag in WORKER_FLAGS]
+    up = Process("up", ["up", "--workers", "1", *worker_args], tmp_path)
+    try:
+        up.wait_ready(lambda r: r.status_code == 200)
+        workers = re.findall(r"serving \S+ at (http://127\.0\.0\.1:\d+)", up.log())
+        assert len(workers) == 1 and _serving(workers[0]), up.log()
+        up.proc.send_signal(sig)
+        up.proc.wait(60.0)
+        wait_until(lambda: not _serving(workers[0]), 30.0, f"worker {workers[0]} to stop",
+                   up.log)
+    finally:
+        up.kill()
