@@ -18,6 +18,7 @@ paged_attention and is only taken without a sliding window.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -120,20 +121,11 @@ def _tails(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KV
         qq = q.view(num, q_len, num_heads, -1).transpose(1, 2)  # [M, H, q, hd]
         out, lse = attend_with_lse(qq, k, v, scale, is_causal=True)
         return out.transpose(1, 2).reshape(q.shape), lse.transpose(1, 2).reshape(q.shape[:2])
-    outs, lses, row = [], [], 0
-    for start, q_len, ctx, seq_len, table in zip(
-            plan.query_starts, plan.query_lens, plan.context_starts, plan.seq_lens,
-            plan.tail_block_ids, strict=True):
-        qq = q[row:row + q_len]  # [q, H, hd]
-        row += q_len
-        if ctx == head_len:
-            k, v = key[start:start + q_len], value[start:start + q_len]  # [q, KVH, hd]
-        else:  # cached context between the head and this chunk: read it from the cache
-            k = kv_cache.key_cache.index_select(0, table).flatten(0, 1)[:seq_len - head_len]
-            v = kv_cache.value_cache.index_select(0, table).flatten(0, 1)[:seq_len - head_len]
+    outs, lses = [], []
+    for qq, k, v, first in _member_tails(q, key, value, kv_cache, plan):
         tail_len = k.shape[0]
         k_pos = torch.arange(tail_len, device=q.device)[None, :]
-        q_pos = torch.arange(ctx - head_len, seq_len - head_len, device=q.device)[:, None]
+        q_pos = torch.arange(first, tail_len, device=q.device)[:, None]
         out, lse = attend_with_lse(
             qq.transpose(0, 1)[None], k.repeat_interleave(group, dim=1).transpose(0, 1)[None],
             v.repeat_interleave(group, dim=1).transpose(0, 1)[None], scale,
@@ -143,16 +135,13 @@ def _tails(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KV
     return torch.cat(outs), torch.cat(lses)
 
 
-def _tails_by_kernel(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
-                     plan: PrefillCascade, scale: float,
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """`_tails` through the CPU kernel, one call per member (its tail is a causal chunk whose
-    first query sits `ctx - head_len` tokens into the tail); None where the kernel does not
-    serve these tensors (it then serves none of the members: they share dtype and shapes)."""
-    head_len = plan.head_len
-    out = torch.empty(q.shape, dtype=q.dtype)  # [N, H, hd]
-    lse = torch.empty(q.shape[:2])  # [N, H]
-    row = 0
+def _member_tails(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
+                  plan: PrefillCascade,
+                  ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    """Each member in plan row order: its queries [q, H, hd], its context after the head k, v
+    [tail, KVH, hd] (this step's fresh K/V, or read from the cache when cached context lies
+    between the head and the chunk), and its first query's position in that tail."""
+    head_len, row = plan.head_len, 0
     for start, q_len, ctx, seq_len, table in zip(
             plan.query_starts, plan.query_lens, plan.context_starts, plan.seq_lens,
             plan.tail_block_ids, strict=True):
@@ -161,10 +150,23 @@ def _tails_by_kernel(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv
         else:
             k = kv_cache.key_cache.index_select(0, table).flatten(0, 1)[:seq_len - head_len]
             v = kv_cache.value_cache.index_select(0, table).flatten(0, 1)[:seq_len - head_len]
-        fast = cpu_attention.attention(q[row:row + q_len], k, v, scale,
-                                       causal_offset=ctx - head_len, with_lse=True)
+        yield q[row:row + q_len], k, v, ctx - head_len
+        row += q_len
+
+
+def _tails_by_kernel(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
+                     plan: PrefillCascade, scale: float,
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`_tails` through the CPU kernel, one call per member (its tail is a causal chunk whose
+    first query sits `first` tokens into the tail); None where the kernel does not serve these
+    tensors (it then serves none of the members: they share dtype and shapes)."""
+    out = torch.empty(q.shape, dtype=q.dtype)  # [N, H, hd]
+    lse = torch.empty(q.shape[:2])  # [N, H]
+    row = 0
+    for qq, k, v, first in _member_tails(q, key, value, kv_cache, plan):
+        fast = cpu_attention.attention(qq, k, v, scale, causal_offset=first, with_lse=True)
         if fast is None or fast[1] is None:
             return None
-        out[row:row + q_len], lse[row:row + q_len] = fast
-        row += q_len
+        out[row:row + len(qq)], lse[row:row + len(qq)] = fast
+        row += len(qq)
     return out, lse

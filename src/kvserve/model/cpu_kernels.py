@@ -102,6 +102,8 @@ def build(compiler: str) -> Path:
 
 def _load() -> ctypes.CDLL | None:
     global _library, _tried
+    if _tried:  # every kernel call passes here: no lock once the first load is done
+        return _library
     with _lock:
         if _tried:
             return _library

@@ -48,21 +48,23 @@ def cascade_decode(query: torch.Tensor, kv_cache: KVCache, plan: DecodeCascade,
     path), the rest the portable one (see the module docstring)."""
     if query.device.type == "cpu" and query.dtype == torch.float32 \
             and kv_cache.key_cache.dtype == torch.float32:
-        by_kernel = _cascade_decode_kernel(query, kv_cache, plan, scale)
+        # The head's K/V gathered once, for whichever CPU path serves the call.
+        k_head = kv_cache.key_cache.index_select(0, plan.head_block_ids).flatten(0, 1)
+        v_head = kv_cache.value_cache.index_select(0, plan.head_block_ids).flatten(0, 1)
+        by_kernel = _cascade_decode_kernel(query, k_head, v_head, kv_cache, plan, scale)
         if by_kernel is not None:
             return by_kernel
-        return _cascade_decode_cpu(query, kv_cache, plan, scale)
+        return _cascade_decode_cpu(query, k_head, v_head, kv_cache, plan, scale)
     return cascade_decode_portable(query, kv_cache, plan, scale)
 
 
-def _cascade_decode_kernel(query: torch.Tensor, kv_cache: KVCache, plan: DecodeCascade,
+def _cascade_decode_kernel(query: torch.Tensor, k_head: torch.Tensor, v_head: torch.Tensor,
+                           kv_cache: KVCache, plan: DecodeCascade,
                            scale: float) -> torch.Tensor | None:
-    """kvserve's CPU kernels, or None where they do not serve the call: the head through
-    `cpu_attention.attention` (every decode's query against the head, gathered once), then
+    """kvserve's CPU kernels, or None where they do not serve the call: the head k/v
+    [Lh, KVH, hd] through `cpu_attention.attention` (every decode's query against it), then
     each tail read in place from the cache by `cpu_attention.paged_decode`, which starts each
     row's softmax from the head's part (output and log-sum-exp): one exact merge, no copies."""
-    k_head = kv_cache.key_cache.index_select(0, plan.head_block_ids).flatten(0, 1)  # [Lh,KVH,hd]
-    v_head = kv_cache.value_cache.index_select(0, plan.head_block_ids).flatten(0, 1)
     head = cpu_attention.attention(query, k_head, v_head, scale, with_lse=True)
     if head is None or head[1] is None:
         return None
@@ -71,20 +73,17 @@ def _cascade_decode_kernel(query: torch.Tensor, kv_cache: KVCache, plan: DecodeC
                                       plan.tail_lens, scale, prior=(head[0], head[1]))
 
 
-def _cascade_decode_cpu(query: torch.Tensor, kv_cache: KVCache, plan: DecodeCascade,
-                        scale: float) -> torch.Tensor:
+def _cascade_decode_cpu(query: torch.Tensor, k_head: torch.Tensor, v_head: torch.Tensor,
+                        kv_cache: KVCache, plan: DecodeCascade, scale: float) -> torch.Tensor:
     # Invariant: every row of the final softmax has a finite entry (the head's log-sum-exp),
     # and masked keys get probability exactly 0, so the result is exact up to rounding.
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.key_cache.shape[2]
     group = num_heads // num_kv_heads
-    head_shape = (1, plan.head_len, num_kv_heads, head_dim)
-    k_head = kv_cache.key_cache.index_select(0, plan.head_block_ids).view(head_shape)
-    v_head = kv_cache.value_cache.index_select(0, plan.head_block_ids).view(head_shape)
     q_rows = query.reshape(num_decodes, num_kv_heads, group, head_dim).transpose(0, 1).reshape(
         1, num_kv_heads, num_decodes * group, head_dim)  # [1, KVH, D*G, hd]
     o_head, lse_head = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q_rows, k_head.transpose(1, 2), v_head.transpose(1, 2), 0.0, False,
+        q_rows, k_head.transpose(0, 1)[None], v_head.transpose(0, 1)[None], 0.0, False,
         scale=scale)  # [1, KVH, D*G, hd], [1, KVH, D*G]
     num_keys = plan.tail_len * num_kv_heads  # each decode's tail keys of every kv head
     k_tail = kv_cache.key_cache.index_select(0, plan.tail_block_ids).view(
