@@ -102,6 +102,14 @@ def test_router_specs_are_checked() -> None:
     for bad in ("nginx:rr", "kvserve", "kvserve:"):
         with pytest.raises(ValueError, match="KIND:POLICY"):
             RouterSpec.parse(bad)
+    variant = RouterSpec.parse("kvserve:cache_aware@backlog_weight=0@load_weight=2")
+    assert variant.label == "kvserve:cache_aware@backlog_weight=0@load_weight=2"
+    assert variant.gateway_args == ["--policy-option=backlog_weight=0",
+                                    "--policy-option=load_weight=2"]
+    with pytest.raises(ValueError, match="kvserve policies only"):
+        RouterSpec.parse("sglang:cache_aware@x=1")
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        RouterSpec.parse("kvserve:cache_aware@backlog_weight")
 
 
 def test_worker_args_reach_the_workers_command_and_refuse_calibration(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """The forwarder records where a prefix went when it sends it, not when the worker answers: a
 kvserve worker answers with its first token, and a burst of one prefix arriving meanwhile must
-follow the first request instead of computing the prefix on every worker."""
+follow the first request instead of computing the prefix on every worker. Until then the prompt
+also counts as the worker's prefill backlog."""
 
 from __future__ import annotations
 
@@ -41,9 +42,24 @@ def test_a_second_request_follows_the_first_before_the_worker_answers() -> None:
             decision = policy.route(route, pool.views(0.0))
             chosen = [u for u in urls if pool.get(u).in_flight == 1]
             assert [decision.worker_id] == chosen and decision.branch == Branch.AFFINITY
-            first.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await first
+            # Unanswered, the whole prompt is prefill work ahead on that worker; a second
+            # request of the prefix adds only what it will not find cached.
+            worker = pool.get(chosen[0])
+            assert worker.prefill_backlog_tokens == route.num_tokens > 0
+            longer = request("the tenant's long shared system prompt " * 8 + "and a question",
+                             "acme")
+            second = asyncio.create_task(forwarder.open("/v1/completions", {"prompt": "y"}, {},
+                                                        longer, 0.0))
+            await asyncio.sleep(0.3)
+            assert worker.in_flight == 2
+            assert worker.prefill_backlog_tokens == route.num_tokens + longer.uncached_tokens(
+                len(route.prefix_hashes))
+            assert longer.uncached_tokens(len(route.prefix_hashes)) < longer.num_tokens
+            for task in (first, second):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            assert (worker.in_flight, worker.prefill_backlog_tokens) == (0, 0)
         finally:
             await client.aclose()
 

@@ -148,5 +148,5 @@ def test_exact_hashes_are_byte_identical_to_the_kvcache_chain(
     ]
     assert tuple(published) == ours
     assert RouteKey.from_token_ids(tokens, salt, block_tokens=block_size, model_id=model_id) == (
-        RouteKey(ours, salt, len(tokens))
+        RouteKey(ours, salt, len(tokens), block_size)
     )

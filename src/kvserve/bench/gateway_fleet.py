@@ -28,6 +28,7 @@ from kvserve.bench.server_launch import (
     ManagedProcess,
     free_port,
 )
+from kvserve.gateway.policies import parse_policy_options
 
 IDEAL = "ideal"
 KVSERVE_GATEWAY = "kvserve"
@@ -37,26 +38,40 @@ ROUTER_KINDS = (KVSERVE_GATEWAY, SGLANG_ROUTER)
 
 @dataclass(frozen=True, slots=True)
 class RouterSpec:
-    """`kind:policy` (e.g. kvserve:prefix_hash, sglang:cache_aware) or `ideal`."""
+    """`kind:policy` (e.g. kvserve:prefix_hash, sglang:cache_aware) or `ideal`; a kvserve
+    policy may carry gateway policy options, `kvserve:cache_aware@backlog_weight=0@...` (each
+    passed as `--policy-option`), so variants of one policy run side by side."""
 
     kind: str
     policy: str = ""
+    options: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> RouterSpec:
         text = text.strip()
         if text == IDEAL:
             return cls(IDEAL)
-        kind, _, policy = text.partition(":")
+        kind, _, rest = text.partition(":")
+        policy, *options = rest.split("@")
         if kind not in ROUTER_KINDS or not policy:
             raise ValueError(f"router {text!r}: use 'ideal' or KIND:POLICY with KIND one of "
                              f"{', '.join(ROUTER_KINDS)} (e.g. kvserve:prefix_hash, "
                              "sglang:cache_aware)")
-        return cls(kind, policy)
+        if options and kind != KVSERVE_GATEWAY:
+            raise ValueError(f"router {text!r}: @KEY=VALUE options are for kvserve policies only")
+        parse_policy_options(options)  # a malformed option fails here, before any process
+        return cls(kind, policy, tuple(options))
 
     @property
     def label(self) -> str:
-        return IDEAL if self.kind == IDEAL else f"{self.kind}:{self.policy}"
+        if self.kind == IDEAL:
+            return IDEAL
+        return "@".join((f"{self.kind}:{self.policy}", *self.options))
+
+    @property
+    def gateway_args(self) -> list[str]:
+        """The `kvserve gateway` arguments for the options."""
+        return [f"--policy-option={option}" for option in self.options]
 
 
 class KvserveGateway(ManagedProcess):
@@ -125,7 +140,8 @@ def gateway_stats(urls: Sequence[str]) -> dict[str, float]:
 def make_router(spec: RouterSpec, workers: Sequence[str], log_dir: Path,
                 gateway_args: Sequence[str] = ()) -> ManagedProcess:
     if spec.kind == KVSERVE_GATEWAY:
-        return KvserveGateway(spec.policy, workers, log_dir, gateway_args)
+        return KvserveGateway(spec.policy, workers, log_dir,
+                              [*gateway_args, *spec.gateway_args])
     if spec.kind == SGLANG_ROUTER:
         return SglangRouter(spec.policy, workers, log_dir)
     raise ValueError(f"{spec.label} is not a router process")

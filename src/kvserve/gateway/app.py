@@ -44,6 +44,7 @@ class GatewaySettings:
 
     workers: tuple[str, ...]
     policy: str = "prefix_hash"
+    policy_options: tuple[tuple[str, Any], ...] = ()  # make_policy keyword options
     max_in_flight: int = 256
     max_queued: int = 512
     queue_timeout_s: float = 5.0
@@ -92,7 +93,7 @@ def _parse_json(raw: bytes) -> Any:
 
 def create_gateway(settings: GatewaySettings) -> FastAPI:
     pool = WorkerPool(list(settings.workers))
-    policy = make_policy(settings.policy)
+    policy = make_policy(settings.policy, **dict(settings.policy_options))
     disagg = None
     if settings.is_disaggregated:
         disagg = DisaggregatedRouter(policy, make_policy("least_load"),
@@ -237,7 +238,7 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
         return {"policy": settings.policy,
                 "mode": "disaggregated" if disagg is not None else "unified", "workers": [
             {"url": w.url, "role": w.role, "healthy": w.view(now).healthy,
-             "in_flight": w.in_flight,
+             "in_flight": w.in_flight, "prefill_backlog_tokens": w.prefill_backlog_tokens,
              "num_running": w.num_running, "num_waiting": w.num_waiting,
              "kv_usage": w.kv_usage, "prefix_hit_rate": (w.prefix_hits / w.prefix_queries
                                                          if w.prefix_queries else None),

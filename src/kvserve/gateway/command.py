@@ -16,7 +16,7 @@ import uvicorn
 from rich.console import Console
 
 from kvserve.gateway.app import GatewaySettings, create_gateway
-from kvserve.gateway.policies import POLICY_NAMES
+from kvserve.gateway.policies import POLICY_NAMES, make_policy, parse_policy_options
 from kvserve.gateway.tenancy import Tenancy
 
 
@@ -24,6 +24,9 @@ def _add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--policy", choices=POLICY_NAMES, default="prefix_hash")
+    p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="a keyword option of the policy (repeatable), e.g. backlog_weight=0.5 "
+                        "for cache_aware/precise; an unknown key names the valid ones")
     p.add_argument("--max-in-flight", type=int, default=256,
                    help="requests open upstream at once, fleet-wide")
     p.add_argument("--max-queued", type=int, default=512, help="requests waiting for a slot")
@@ -52,6 +55,7 @@ def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] |
     return GatewaySettings(
         workers=tuple(w.rstrip("/") for w in workers) + prefill_urls + decode_urls,
         prefill_workers=prefill_urls, decode_workers=decode_urls, policy=args.policy,
+        policy_options=tuple(parse_policy_options(args.policy_option).items()),
         max_in_flight=args.max_in_flight, max_queued=args.max_queued,
         queue_timeout_s=args.queue_timeout, retry_ratio=args.retry_ratio,
         tenancy=Tenancy.from_specs(args.share_group, args.tenant_header, args.salt_secret),
@@ -123,6 +127,11 @@ def run_up(args: argparse.Namespace) -> int:
         return 2
     if not disaggregated and args.workers < 1:
         console.print("[red]--workers must be at least 1[/]")
+        return 2
+    try:  # bad options are refused before any worker starts
+        make_policy(args.policy, **parse_policy_options(args.policy_option))
+    except ValueError as exc:
+        console.print(f"[red]cannot start: {exc}[/]", soft_wrap=True)
         return 2
     roles = (["prefill"] * args.prefill_workers + ["decode"] * args.decode_workers
              if disaggregated else ["both"] * args.workers)

@@ -125,6 +125,10 @@ class Forwarder:
                                             BACKPRESSURE else "error").inc()
             worker = self.pool.get(url)
             worker.in_flight += 1
+            # Prefill work until the worker's first byte (a kvserve worker answers with the
+            # first token); a retry's worker was not the policy's choice: assume nothing cached.
+            backlog = route.uncached_tokens(decision.predicted_hit_blocks if attempt == 0 else 0)
+            worker.prefill_backlog_tokens += backlog
             # Recorded now, not when the worker answers: a kvserve worker sends its headers
             # with the first token, and a burst of one prefix arriving meanwhile must see where
             # it went (else each finds no holder and the prefix is computed on every worker).
@@ -152,6 +156,7 @@ class Forwarder:
                 worker.in_flight -= 1
                 raise
             finally:
+                worker.prefill_backlog_tokens -= backlog
                 if prefill is not None:
                     prefill.in_flight -= 1
             if response.status_code in BACKPRESSURE:

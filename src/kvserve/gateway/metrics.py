@@ -32,6 +32,9 @@ class PoolCollector(Collector):
                                     "traffic.", labels=["worker"])
         in_flight = GaugeMetricFamily("kvserve:gateway_worker_in_flight", "Requests the gateway "
                                       "has open on the worker.", labels=["worker"])
+        backlog = GaugeMetricFamily("kvserve:gateway_worker_prefill_backlog_tokens", "Prompt "
+                                    "tokens sent to the worker and not yet answered, less "
+                                    "those the policy expected cached.", labels=["worker"])
         waiting = GaugeMetricFamily("kvserve:gateway_worker_waiting", "The worker's queue, as "
                                     "last scraped.", labels=["worker"])
         hit_rate = GaugeMetricFamily("kvserve:gateway_worker_prefix_hit_rate", "The worker's "
@@ -44,12 +47,13 @@ class PoolCollector(Collector):
             role.add_metric([w.url, w.role], 1.0)
             healthy.add_metric([w.url], 1.0 if w.healthy else 0.0)
             in_flight.add_metric([w.url], w.in_flight)
+            backlog.add_metric([w.url], w.prefill_backlog_tokens)
             waiting.add_metric([w.url], w.num_waiting)
             hit_rate.add_metric([w.url], w.prefix_hits / w.prefix_queries
                                 if w.prefix_queries else 0.0)
             hits += w.prefix_hits
             queries += w.prefix_queries
-        yield from (role, healthy, in_flight, waiting, hit_rate)
+        yield from (role, healthy, in_flight, backlog, waiting, hit_rate)
         fleet = GaugeMetricFamily("kvserve:gateway_fleet_prefix_hit_rate", "Prefix-cache hit "
                                   "rate over all workers (achieved).")
         fleet.add_metric([], hits / queries if queries else 0.0)

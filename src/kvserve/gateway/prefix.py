@@ -133,11 +133,13 @@ def engine_block_hashes(
 @dataclass(frozen=True, slots=True)
 class RouteKey:
     """What a policy routes on: a request's chained block hashes (a shared head of them is a
-    shared cached prefix), its tenant, and a token estimate. Tenants never share a hash."""
+    shared cached prefix), its tenant, a token estimate, and the tokens one block stands for.
+    Tenants never share a hash."""
 
     prefix_hashes: tuple[bytes, ...]
     tenant: str | None = None
     num_tokens: int = 0
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
 
     @classmethod
     def from_text(
@@ -145,7 +147,8 @@ class RouteKey:
     ) -> Self:
         """Key a completion prompt by its text (approximate: blocks of characters)."""
         return cls(
-            text_block_hashes(text, tenant, block_chars), tenant, -(-len(text) // CHARS_PER_TOKEN)
+            text_block_hashes(text, tenant, block_chars), tenant,
+            -(-len(text) // CHARS_PER_TOKEN), max(1, block_chars // CHARS_PER_TOKEN),
         )
 
     @classmethod
@@ -173,4 +176,4 @@ class RouteKey:
         """Key a tokenized prompt exactly as a kvserve worker hashes it (`engine_block_hashes`,
         the tenant as the cache salt): what the `precise` policy needs."""
         hashes = engine_block_hashes(token_ids, block_tokens, tenant, model_id, adapter_id)
-        return cls(hashes, tenant, len(token_ids))
+        return cls(hashes, tenant, len(token_ids), block_tokens)

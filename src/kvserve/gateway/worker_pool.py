@@ -20,6 +20,7 @@ class WorkerState:
     role: str = "both"  # "prefill" / "decode" in disaggregated mode
     healthy: bool = True
     in_flight: int = 0
+    prefill_backlog_tokens: int = 0  # see WorkerView; kept by forward.Forwarder
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
@@ -42,6 +43,7 @@ class WorkerState:
             num_running=self.num_running,
             num_waiting=self.num_waiting,
             kv_usage=self.kv_usage,
+            prefill_backlog_tokens=self.prefill_backlog_tokens,
         )
 
 

@@ -79,5 +79,6 @@ class Attempt:
     sent_at: float
     seq: SimSeq | None = None
     worker_id: str | None = None
+    backlog_tokens: int = 0  # counted at the gateway until the first token (SimGateway.route)
     is_queued: bool = False  # waiting at the gateway for an admission slot
     is_over: bool = False

@@ -208,7 +208,7 @@ class FleetSimulator:
     def _dispatch(self, attempt: Attempt, now: float) -> None:
         client = attempt.request
         assert client.route is not None and client.prompt is not None
-        worker_id = self.gateway.route(client.route)
+        worker_id, attempt.backlog_tokens = self.gateway.route(client.route)
         trace = client.trace
         seq = SimSeq(f"{trace.request_id}#{attempt.number}", client.prompt,
                      max(1, trace.output_length), trace.tenant)
@@ -217,7 +217,7 @@ class FleetSimulator:
         if not self.workers[worker_id].submit(seq, now):
             del self._attempt_of[seq.seq_id]
             attempt.is_over = True
-            self.gateway.release(worker_id)
+            self._release(attempt)
             self._complete(client, Outcome.REJECTED, now)
             self._pump_queue(now)
 
@@ -231,13 +231,18 @@ class FleetSimulator:
         elif attempt.seq is not None and attempt.worker_id is not None:
             del self._attempt_of[attempt.seq.seq_id]
             self.workers[attempt.worker_id].abort(attempt.seq, now)
-            self.gateway.release(attempt.worker_id)
+            self._release(attempt)
             self._pump_queue(now)
         if client.num_retries < self.config.client.max_retries:
             client.num_retries += 1
             self._send(client, now)
         else:
             self._complete(client, Outcome.GAVE_UP, now)
+
+    def _release(self, attempt: Attempt) -> None:
+        assert attempt.worker_id is not None
+        self.gateway.release(attempt.worker_id, attempt.backlog_tokens)
+        attempt.backlog_tokens = 0
 
     def _overhead_s(self, client: ClientRequest) -> float:
         return self.config.profile.request_overhead_s(client.trace.input_length)
@@ -253,6 +258,9 @@ class FleetSimulator:
 
     def on_first_token(self, seq: SimSeq, now: float) -> None:
         attempt = self._attempt_of.get(seq.seq_id)  # None: cancelled while its step ran
+        if attempt is not None and attempt.worker_id is not None:
+            self.gateway.answered(attempt.worker_id, attempt.backlog_tokens)
+            attempt.backlog_tokens = 0
         if attempt is not None and attempt.request.first_token_at is None:
             # What the client sees also includes the API path (the profile's request overhead).
             attempt.request.first_token_at = now + self._overhead_s(attempt.request)
@@ -262,8 +270,7 @@ class FleetSimulator:
         if attempt is None:
             return  # cancelled by the client while its last step ran; already let go
         attempt.is_over = True
-        assert attempt.worker_id is not None
-        self.gateway.release(attempt.worker_id)
+        self._release(attempt)
         client = attempt.request
         client.finished_at = now + self._overhead_s(client)
         client.num_cached_tokens = max(seq.num_cached, 0)

@@ -1,9 +1,11 @@
 """The gateway as the simulator runs it: the real routing policy object, fed the load signals the
 production gateway sees, and its admission control.
 
-Signals: `in_flight` is the gateway's own exact count per worker (it knows what it sent);
-`num_running`, `num_waiting` and `kv_usage` come from the last scrape of the workers' metrics,
-so they are up to one scrape interval stale, as in production (gateway.scraper).
+Signals: `in_flight` is the gateway's own exact count per worker (it knows what it sent), and
+so is the prefill backlog (prompt tokens sent and not yet answered with a first token, less what
+the policy expected cached: gateway.forward keeps the same count); `num_running`, `num_waiting`
+and `kv_usage` come from the last scrape of the workers' metrics, so they are up to one scrape
+interval stale, as in production (gateway.scraper).
 Admission mirrors gateway.admission: at most `max_in_flight` requests upstream fleet-wide, up to
 `max_queued` waiting for a slot for at most `queue_timeout_s`; past either limit, 429 with
 Retry-After.
@@ -49,6 +51,7 @@ class SimGateway:
         self.policy = policy
         self.worker_ids = tuple(worker_ids)
         self.in_flight = dict.fromkeys(self.worker_ids, 0)
+        self.backlog_tokens = dict.fromkeys(self.worker_ids, 0)
         self.scraped = {w: Scraped() for w in self.worker_ids}
         self.num_in_flight = 0
         self.num_routed = 0
@@ -62,24 +65,36 @@ class SimGateway:
     def views(self) -> list[WorkerView]:
         """What a policy sees now: exact in-flight counts, scraped queue depth and KV usage."""
         return [
-            WorkerView(w, True, self.in_flight[w], s.num_running, s.num_waiting, s.kv_usage)
+            WorkerView(w, True, self.in_flight[w], s.num_running, s.num_waiting, s.kv_usage,
+                       self.backlog_tokens[w])
             for w in self.worker_ids
             for s in (self.scraped[w],)
         ]
 
-    def route(self, request: RouteRequest) -> str:
-        """Choose a worker, tell the policy the request was sent, count it in flight."""
+    def route(self, request: RouteRequest) -> tuple[str, int]:
+        """Choose a worker, tell the policy the request was sent, count it in flight. Returns
+        the worker and the prefill backlog tokens counted for the request, which the caller
+        hands back once: to `answered` at its first token, else to `release`."""
         decision = self.policy.route(request, self.views())
         worker_id = decision.worker_id
         self.policy.observe(request, worker_id)
         self.in_flight[worker_id] += 1
+        backlog = request.uncached_tokens(decision.predicted_hit_blocks)
+        self.backlog_tokens[worker_id] += backlog
         self.num_in_flight += 1
         self.num_routed += 1
         self.routed_by_worker[worker_id] += 1
-        return worker_id
+        return worker_id, backlog
 
-    def release(self, worker_id: str) -> None:
-        """A request sent to `worker_id` finished, failed or was cancelled."""
+    def answered(self, worker_id: str, backlog_tokens: int) -> None:
+        """The worker sent a request's first token: its prefill is no longer ahead of others."""
+        assert 0 <= backlog_tokens <= self.backlog_tokens[worker_id], "backlog handed back twice"
+        self.backlog_tokens[worker_id] -= backlog_tokens
+
+    def release(self, worker_id: str, backlog_tokens: int = 0) -> None:
+        """A request sent to `worker_id` finished, failed or was cancelled; `backlog_tokens`:
+        its backlog if it was never `answered`."""
         assert self.in_flight[worker_id] > 0, f"release without a request in flight on {worker_id}"
+        self.answered(worker_id, backlog_tokens)
         self.in_flight[worker_id] -= 1
         self.num_in_flight -= 1

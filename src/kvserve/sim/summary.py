@@ -17,6 +17,11 @@ def summarise(sim: FleetSimulator, wall_s: float) -> SimResult:
     (`check_idle`: all invariants, and zero blocks held with no live request)."""
     config = sim.config
     makespan = max(sim.events.now, 1e-9)
+    gateway = sim.gateway
+    assert gateway.num_in_flight == 0 and not any(gateway.in_flight.values()), \
+        "the gateway still counts requests in flight after the run drained"
+    assert not any(gateway.backlog_tokens.values()), \
+        f"the gateway still counts prefill backlog after the run drained: {gateway.backlog_tokens}"
     workers: list[WorkerSummary] = []
     for worker_id, worker in sim.workers.items():
         assert worker.is_idle, f"{worker_id} still has work after the run drained"

@@ -101,7 +101,7 @@ class RouteKeys:
         full = done + (len(token_ids) - done) // bs * bs
         if full > done:
             hashes.extend(self._chain(parent, token_ids[done:full], tenant, first=done == 0))
-        return RouteRequest(tuple(hashes), tenant, len(token_ids))
+        return RouteRequest(tuple(hashes), tenant, len(token_ids), bs)
 
     def _chain(self, parent: bytes, token_ids: Sequence[int], tenant: str | None,
                first: bool) -> tuple[bytes, ...]:

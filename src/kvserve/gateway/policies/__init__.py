@@ -18,7 +18,12 @@ from kvserve.gateway.policies.base import (
 from kvserve.gateway.policies.block_index import BlockIndex
 from kvserve.gateway.policies.cache_aware import CacheAwarePolicy
 from kvserve.gateway.policies.disaggregated import DisaggregatedRouter, SplitDecision
-from kvserve.gateway.policies.factory import POLICIES, POLICY_NAMES, make_policy
+from kvserve.gateway.policies.factory import (
+    POLICIES,
+    POLICY_NAMES,
+    make_policy,
+    parse_policy_options,
+)
 from kvserve.gateway.policies.least_load import LeastLoadPolicy
 from kvserve.gateway.policies.precise import PrecisePolicy
 from kvserve.gateway.policies.prefix_hash import PrefixHashPolicy, load_bound
@@ -49,6 +54,7 @@ __all__ = [
     "healthy_workers",
     "load_bound",
     "make_policy",
+    "parse_policy_options",
     "rendezvous_key",
     "rendezvous_order",
     "rendezvous_weight",

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, Self
 
-from kvserve.gateway.prefix import RouteKey
+from kvserve.gateway.prefix import DEFAULT_BLOCK_TOKENS, RouteKey
 
 
 class NoHealthyWorker(RuntimeError):
@@ -32,7 +32,11 @@ class WorkerView:
 
     `in_flight`: requests this gateway sent and that have not finished. `num_running`,
     `num_waiting`, `kv_usage` (0..1): the worker's own scraped metrics (its whole traffic,
-    including other gateway replicas'). See `load`.
+    including other gateway replicas'). See `load`. `prefill_backlog_tokens`: prompt tokens of
+    this gateway's requests that the worker has not answered yet (no first byte), less what the
+    policy expected cached there: the prefill work ahead of a new request, in tokens, which a
+    count of requests cannot tell apart (a cold 3k-token prefill and a 50-token cache hit are
+    one request each).
     """
 
     worker_id: str
@@ -41,10 +45,12 @@ class WorkerView:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    prefill_backlog_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.in_flight, self.num_running, self.num_waiting) < 0:
-            raise ValueError(f"worker {self.worker_id!r}: request counts must be >= 0")
+        if min(self.in_flight, self.num_running, self.num_waiting,
+               self.prefill_backlog_tokens) < 0:
+            raise ValueError(f"worker {self.worker_id!r}: request and token counts must be >= 0")
 
     @property
     def load(self) -> int:
@@ -57,16 +63,27 @@ class WorkerView:
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     """What a policy routes on: chained prefix block hashes (tenant salted, see
-    kvserve.gateway.prefix), the tenant, and a prompt-token estimate."""
+    kvserve.gateway.prefix), the tenant, a prompt-token estimate, and the tokens one block
+    stands for (exact keys: the workers' block size; text keys: an estimate)."""
 
     prefix_hashes: tuple[bytes, ...]
     tenant: str | None = None
     num_tokens: int = 0
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0 or self.block_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 0 and block_tokens >= 1, got "
+                             f"{self.num_tokens} and {self.block_tokens}")
 
     @classmethod
     def from_key(cls, key: RouteKey) -> Self:
         """The request for a prefix key."""
-        return cls(key.prefix_hashes, key.tenant, key.num_tokens)
+        return cls(key.prefix_hashes, key.tenant, key.num_tokens, key.block_tokens)
+
+    def uncached_tokens(self, matched_blocks: int) -> int:
+        """Prompt tokens left to prefill on a worker that holds `matched_blocks` of the prefix."""
+        return max(0, self.num_tokens - matched_blocks * self.block_tokens)
 
 
 class Branch(enum.StrEnum):

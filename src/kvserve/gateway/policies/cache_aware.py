@@ -14,6 +14,7 @@ from kvserve.gateway.policies.base import (
 from kvserve.gateway.policies.block_index import BlockIndex
 from kvserve.gateway.policies.rendezvous import DEFAULT_PREFIX_BLOCKS
 from kvserve.gateway.policies.scoring import (
+    DEFAULT_BACKLOG_WEIGHT,
     DEFAULT_BLOCK_CREDIT,
     DEFAULT_FOOTPRINT_WEIGHT,
     DEFAULT_LOAD_WEIGHT,
@@ -43,8 +44,10 @@ class CacheAwarePolicy:
         load_weight: float = DEFAULT_LOAD_WEIGHT,
         prefix_blocks: int = DEFAULT_PREFIX_BLOCKS,
         footprint_weight: float = DEFAULT_FOOTPRINT_WEIGHT,
+        backlog_weight: float = DEFAULT_BACKLOG_WEIGHT,
     ) -> None:
-        check_weights(block_credit, load_weight)
+        check_weights(block_credit, load_weight, backlog_weight)
+        self.backlog_weight = backlog_weight
         if not 0.0 <= footprint_weight < float("inf"):
             raise ValueError(f"footprint_weight must be >= 0 and finite, got {footprint_weight}")
         self.footprint_weight = footprint_weight
@@ -70,6 +73,7 @@ class CacheAwarePolicy:
             hit_branch=Branch.AFFINITY,
             footprint=self.index_size,
             footprint_weight=self.footprint_weight,
+            backlog_weight=self.backlog_weight,
         )
 
     def observe(self, request: RouteRequest, worker_id: str) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -43,3 +43,29 @@ def make_policy(name: str, **options: Any) -> RoutingPolicy:
             f"its options are: {', '.join(accepted) or '(none)'}"
         )
     return factory(**options)
+
+
+def parse_policy_options(specs: Sequence[str]) -> dict[str, int | float | bool | str]:
+    """`KEY=VALUE` strings (a CLI's `--policy-option`) as `make_policy` options: a value reads as
+    an int, else a float, else true/false, else stays a string. Raises ValueError naming the
+    spec that has no `=` or an empty key; `make_policy` then checks the names and ranges."""
+    options: dict[str, int | float | bool | str] = {}
+    for spec in specs:
+        key, sep, raw = spec.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise ValueError(f"policy option {spec!r}: write KEY=VALUE, e.g. backlog_weight=0.5")
+        options[key] = _option_value(raw.strip())
+    return options
+
+
+def _option_value(raw: str) -> int | float | bool | str:
+    for convert in (int, float):
+        try:
+            return convert(raw)
+        except ValueError:
+            pass
+    lowered = raw.lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    return raw

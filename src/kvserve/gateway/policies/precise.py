@@ -14,6 +14,7 @@ from kvserve.gateway.policies.base import (
 from kvserve.gateway.policies.block_index import BlockIndex
 from kvserve.gateway.policies.rendezvous import DEFAULT_PREFIX_BLOCKS
 from kvserve.gateway.policies.scoring import (
+    DEFAULT_BACKLOG_WEIGHT,
     DEFAULT_BLOCK_CREDIT,
     DEFAULT_FOOTPRINT_WEIGHT,
     DEFAULT_LOAD_WEIGHT,
@@ -54,8 +55,10 @@ class PrecisePolicy:
         max_blocks_per_worker: int = DEFAULT_MAX_BLOCKS_PER_WORKER,
         max_pending_blocks_per_worker: int = DEFAULT_MAX_PENDING_BLOCKS_PER_WORKER,
         footprint_weight: float = DEFAULT_FOOTPRINT_WEIGHT,
+        backlog_weight: float = DEFAULT_BACKLOG_WEIGHT,
     ) -> None:
-        check_weights(block_credit, load_weight)
+        check_weights(block_credit, load_weight, backlog_weight)
+        self.backlog_weight = backlog_weight
         if not 0.0 <= footprint_weight < float("inf"):
             raise ValueError(f"footprint_weight must be >= 0 and finite, got {footprint_weight}")
         self.footprint_weight = footprint_weight
@@ -109,6 +112,7 @@ class PrecisePolicy:
             hit_branch=Branch.PRECISE_HIT,
             footprint=self.footprint,
             footprint_weight=self.footprint_weight,
+            backlog_weight=self.backlog_weight,
         )
 
     def footprint(self, worker_id: str) -> int:
