@@ -47,3 +47,27 @@ def test_simulate_explains_a_bad_argument(capsys: pytest.CaptureFixture[str]) ->
     assert main(["simulate", "--trace", "multi-tenant", "--policy", "precise"]) == 2
     assert "cannot be simulated" in capsys.readouterr().err
     assert main(["simulate", "--trace", "/nonexistent.jsonl"]) == 2
+
+
+def test_policy_variants_run_side_by_side_and_differ(tmp_path: Path) -> None:
+    """`POLICY@KEY=VALUE` runs the real policy with that option: with no weight on the prefill
+    backlog, cache_aware places this workload's tenants differently."""
+    out = tmp_path / "out"
+    assert main(["simulate", "--trace", "multi-tenant", "--tenants", "10", "--requests", "60",
+                 "--rate", "12", "--prefix-tokens", "2048,3072", "--suffix-tokens", "32,96",
+                 "--output-tokens", "16", "--workers", "2", "--capacity-tokens", "16384",
+                 "--max-num-seqs", "16", "--max-num-batched-tokens", "2048",
+                 "--profile", "h100", "--policy",
+                 "cache_aware@backlog_weight=0,cache_aware@backlog_weight=4",
+                 "--jobs", "1", "--json", "--out", str(out)]) == 0
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert [r["label"] for r in runs] == ["cache_aware@backlog_weight=0",
+                                          "cache_aware@backlog_weight=4"]
+    assert [w["routed"] for w in runs[0]["workers"]] != [w["routed"] for w in runs[1]["workers"]]
+
+
+def test_a_bad_policy_option_is_refused_before_any_run(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--trace", "multi-tenant", "--policy", "cache_aware@nope=1"]) == 2
+    assert "has no option nope" in capsys.readouterr().err
+    assert main(["simulate", "--trace", "multi-tenant", "--policy", "cache_aware@x"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err

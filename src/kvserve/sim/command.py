@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from kvserve.gateway.policies import parse_policy_options
 from kvserve.sim.client import ClientConfig
 from kvserve.sim.fleet import SIMULATED_POLICIES, SimConfig
 from kvserve.sim.gateway import Backpressure
@@ -60,7 +61,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     f = p.add_argument_group("fleet")
     f.add_argument("--workers", type=int, default=4)
     f.add_argument("--policy", default="round_robin,prefix_hash,cache_aware",
-                   help=f"comma-separated, from: {', '.join(SIMULATED_POLICIES)}")
+                   help=f"comma-separated, from: {', '.join(SIMULATED_POLICIES)}; a policy may "
+                        "carry options, POLICY@KEY=VALUE[@KEY=VALUE] (e.g. "
+                        "cache_aware@backlog_weight=0), to run variants side by side")
     f.add_argument("--profile", default="h100",
                    help=f"cost profile: {', '.join(PROFILE_NAMES)} or a JSON file")
     f.add_argument("--capacity-tokens", type=int, default=None,
@@ -124,13 +127,16 @@ def build_tasks(args: argparse.Namespace) -> list[SimTask]:
                   else ClientConfig())
         backpressure = (Backpressure(args.max_in_flight, args.max_queued, args.queue_timeout,
                                      args.retry_after) if throttled else None)
-        for policy in policies:
+        for spec in policies:
+            policy, *option_specs = spec.split("@")
             config = SimConfig(
                 num_workers=args.workers, worker=worker, profile=profile, policy=policy,
+                policy_options=parse_policy_options(option_specs),
                 client=client, backpressure=backpressure,
                 scrape_interval_s=args.scrape_interval,
                 route_block_tokens=args.route_block_tokens, slo_s=args.slo, seed=args.seed)
-            label = f"{policy} [{variant}]" if args.clients else policy
+            config.make_policy()  # an unknown or out-of-range option fails before any run
+            label = f"{spec} [{variant}]" if args.clients else spec
             tasks.append(SimTask(label, config))
     return tasks
 
