@@ -104,7 +104,9 @@ def test_policy_options_parse_into_typed_values() -> None:
         make_policy("precise", **parse_policy_options(["nope=1"]))
 
 
-def test_the_gateway_command_refuses_a_bad_policy_option(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_gateway_command_refuses_a_bad_policy_option(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     from kvserve.cli import main
 
     rc = main(["gateway", "--worker", "http://127.0.0.1:9", "--policy", "cache_aware",

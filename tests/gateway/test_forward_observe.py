@@ -12,7 +12,7 @@ import socket
 from kvserve.gateway.admission import Admission
 from kvserve.gateway.forward import Forwarder
 from kvserve.gateway.metrics import GatewayMetrics
-from kvserve.gateway.policies import Branch, CacheAwarePolicy
+from kvserve.gateway.policies import Branch, CacheAwarePolicy, DisaggregatedRouter, LeastLoadPolicy
 from kvserve.gateway.retry_budget import RetryBudget
 from kvserve.gateway.upstream_http import UpstreamClient
 from kvserve.gateway.worker_pool import WorkerPool
@@ -60,6 +60,45 @@ def test_a_second_request_follows_the_first_before_the_worker_answers() -> None:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             assert (worker.in_flight, worker.prefill_backlog_tokens) == (0, 0)
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for sock in silent:
+            sock.close()
+
+
+def test_in_disaggregated_mode_the_backlog_is_the_prefill_workers() -> None:
+    silent = [socket.socket() for _ in range(3)]
+    for sock in silent:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+    urls = [f"http://127.0.0.1:{s.getsockname()[1]}" for s in silent]
+    prefill_url, decode_urls = urls[0], urls[1:]
+
+    async def scenario() -> None:
+        pool = WorkerPool(urls)
+        budget = RetryBudget()
+        metrics = GatewayMetrics(pool, Admission(8, 8, 1.0), budget)
+        client = UpstreamClient()
+        disagg = DisaggregatedRouter(CacheAwarePolicy(), LeastLoadPolicy(seed=0), [prefill_url],
+                                     decode_urls)
+        try:
+            forwarder = Forwarder(pool, disagg.prefill_policy, client, budget, metrics,
+                                  "cache_aware", 30.0, disagg=disagg, admin_key="k")
+            route = request("a prompt the prefill worker computes " * 8, "acme")
+            task = asyncio.create_task(forwarder.open("/v1/completions", {"prompt": "x"}, {},
+                                                      route, 0.0))
+            await asyncio.sleep(0.3)  # out to a decode worker, which waits for the KV
+            assert pool.get(prefill_url).prefill_backlog_tokens == route.num_tokens > 0
+            assert [pool.get(u).prefill_backlog_tokens for u in decode_urls] == [0, 0]
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            assert all(pool.get(u).prefill_backlog_tokens == 0 for u in urls)
+            assert all(pool.get(u).in_flight == 0 for u in urls)
         finally:
             await client.aclose()
 

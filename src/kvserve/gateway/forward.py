@@ -103,6 +103,7 @@ class Forwarder:
         if self.disagg is not None:
             split = self.disagg.route(route, self.pool.views(now))
             decision, prefill_url = split.decode, split.prefill.worker_id
+            prefill_hit_blocks = split.prefill.predicted_hit_blocks
             assert self.admin_key is not None
             headers = {**headers, PREFILL_URL_HEADER: prefill_url,
                        ADMIN_KEY_HEADER: self.admin_key}
@@ -110,6 +111,7 @@ class Forwarder:
                                          self.policy_name).inc()
         else:
             decision = self.policy.route(route, self.pool.views(now))
+            prefill_hit_blocks = decision.predicted_hit_blocks
         candidates = [decision.worker_id] + [u for u in decision.ranked
                                              if u != decision.worker_id]
         payload = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
@@ -125,10 +127,6 @@ class Forwarder:
                                             BACKPRESSURE else "error").inc()
             worker = self.pool.get(url)
             worker.in_flight += 1
-            # Prefill work until the worker's first byte (a kvserve worker answers with the
-            # first token); a retry's worker was not the policy's choice: assume nothing cached.
-            backlog = route.uncached_tokens(decision.predicted_hit_blocks if attempt == 0 else 0)
-            worker.prefill_backlog_tokens += backlog
             # Recorded now, not when the worker answers: a kvserve worker sends its headers
             # with the first token, and a burst of one prefix arriving meanwhile must see where
             # it went (else each finds no holder and the prefix is computed on every worker).
@@ -143,6 +141,13 @@ class Forwarder:
             prefill = self.pool.get(prefill_url) if prefill_url is not None else None
             if prefill is not None:
                 prefill.in_flight += 1
+            # The prompt's prefill is work ahead of later requests on the worker computing it,
+            # until the first byte (a kvserve worker answers with its first token). A unified
+            # retry goes where the policy predicted nothing: count the whole prompt there.
+            computing = prefill if prefill is not None else worker
+            backlog = route.uncached_tokens(
+                prefill_hit_blocks if attempt == 0 or prefill is not None else 0)
+            computing.prefill_backlog_tokens += backlog
             try:
                 response = await self.client.post(f"{url}{path}", payload, headers,
                                                   self.read_timeout_s)
@@ -156,7 +161,7 @@ class Forwarder:
                 worker.in_flight -= 1
                 raise
             finally:
-                worker.prefill_backlog_tokens -= backlog
+                computing.prefill_backlog_tokens -= backlog
                 if prefill is not None:
                     prefill.in_flight -= 1
             if response.status_code in BACKPRESSURE:
