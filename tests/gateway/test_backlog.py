@@ -45,11 +45,15 @@ def test_both_index_policies_weigh_backlog_by_default() -> None:
     assert 0 < CacheAwarePolicy().backlog_weight == PrecisePolicy().backlog_weight < 1
 
 
-@pytest.mark.parametrize(("matched", "weight"), [(5, 0.25), (12, 0.5), (30, 1.0), (7, 0.25)])
+@pytest.mark.parametrize(("matched", "weight", "credit"),
+                         [(5, 0.25, 1.0), (12, 0.5, 1.0), (30, 1.0, 1.0), (7, 0.25, 3.0),
+                          (9, 0.5, 0.25)])
 def test_a_cached_prefix_is_left_only_for_a_backlog_of_its_size_over_the_weight(
-    matched: int, weight: float
+    matched: int, weight: float, credit: float
 ) -> None:
-    policy = CacheAwarePolicy(footprint_weight=0.0, backlog_weight=weight)
+    """Whatever a cached block is worth against a request of load, a token of backlog costs
+    `weight` of a cached token."""
+    policy = CacheAwarePolicy(footprint_weight=0.0, backlog_weight=weight, block_credit=credit)
     policy.observe(request(PROMPT[: 8 * matched]), "a")
     req = request(PROMPT)
     margin = round(matched * req.block_tokens / weight)  # backlog tokens the credit is worth

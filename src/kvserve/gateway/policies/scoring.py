@@ -6,8 +6,8 @@ score(worker) = -load_weight * load - backlog_weight * backlog
                 (when no worker holds any of the prefix)
 
 `backlog` is the worker's prefill backlog (`WorkerView.prefill_backlog_tokens`) in blocks of the
-request's key, the currency of the cached-prefix credit: tokens a cached prefix saves against
-tokens of other prompts' prefill queued ahead.
+request's key, weighed against the cached-prefix credit (`backlog_weight * block_credit` a
+block): tokens a cached prefix saves against tokens of other prompts' prefill queued ahead.
 
 One formula for every worker and every load, no threshold: as a worker's load grows, its cached
 prefix is outweighed smoothly, at a point that scales with how much of the prompt it holds. The
@@ -94,7 +94,7 @@ def score_route(
              for w in order}
     fullest = max(sizes.values(), default=0) or 1
 
-    backlog_per_token = backlog_weight / request.block_tokens
+    backlog_per_token = backlog_weight * block_credit / request.block_tokens  # a cached token's
 
     def score(worker: WorkerView) -> float:
         wid = worker.worker_id
