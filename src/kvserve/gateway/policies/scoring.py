@@ -50,11 +50,13 @@ prefix only for a worker whose backlog is shorter by four times that prefix (it 
 but the move copies the prefix into a second cache, and that costs hits later); a prefix nobody
 holds avoids a worker busy with a cold prefill: 2.5k tokens of backlog count as 39 requests with
 16-token blocks (`precise`) and 10 with 64-token ones (`cache_aware`'s text blocks), against the
-footprint term's 16. Simulated (`kvserve.sim`, 30 seeds a case, the shape of `kvserve bench
-gateway`'s fleet and workload, step times set by hand near the tiny model's on one thread), 0.25
-cut the overload case's pooled TTFT p99 by 3%, its worst seed's by 9% and the skewed case's worst
-seed's by 20%, at the same hit rate; 0.5 gained no more and lost up to 1.5 points of hit rate on
-some seeds; 1.0 lost 1.1-1.5 points on average. At 0 the score is the request-count load alone."""
+footprint term's 16. Simulated (`kvserve simulate --policy cache_aware@backlog_weight=W` with a
+profile from `kvserve bench profile --threads 1 --colocated 2 --server`, 30 seeds a case, on
+`kvserve bench gateway`'s fleet and workload), 0.25 against 0 left the even case unchanged and
+cut the worst seed's TTFT p99 by 14% under overload and by 8% under skew, at the same hit rate;
+0.5 lost 0.1 point of hit rate on average, 1.0 lost 0.7-0.9 points. Measured (`kvserve bench
+gateway`, six seeds, docs/benchmarks.md), 0.25 cut overload's pooled p99 by 10% (`cache_aware`)
+and 8% (`precise`). At 0 the score is the request-count load alone."""
 
 
 def check_weights(block_credit: float, load_weight: float, backlog_weight: float = 0.0) -> None:
