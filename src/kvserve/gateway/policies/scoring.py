@@ -54,7 +54,7 @@ footprint term's 16. Simulated (`kvserve simulate --policy cache_aware@backlog_w
 profile from `kvserve bench profile --threads 1 --colocated 2 --server`, 30 seeds a case, on
 `kvserve bench gateway`'s fleet and workload), 0.25 against 0 left the even case unchanged and
 cut the worst seed's TTFT p99 by 14% under overload and by 8% under skew, at the same hit rate;
-0.5 lost 0.1 point of hit rate on average, 1.0 lost 0.7-0.9 points. Measured (`kvserve bench
+0.5 lost 0.1 point of hit rate on average, 1.0 lost 0.7-1.2 points. Measured (`kvserve bench
 gateway`, six seeds, docs/benchmarks.md), 0.25 cut overload's pooled p99 by 10% (`cache_aware`)
 and 8% (`precise`). At 0 the score is the request-count load alone."""
 
