@@ -112,7 +112,8 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
     upstream_client = UpstreamClient()
     forwarder = Forwarder(pool, policy, upstream_client, budget, metrics, settings.policy,
                           settings.request_timeout_s, disagg, settings.admin_key)
-    scraper = Scraper(pool, client, settings.scrape_interval_s)
+    # A restarted worker caches nothing: the policy forgets what its index said it held.
+    scraper = Scraper(pool, client, settings.scrape_interval_s, on_restart=policy.remove_worker)
     follower = (EventFollower(pool, policy, client, settings.events_interval_s,
                               settings.admin_key)
                 if isinstance(policy, PrecisePolicy) else None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -28,8 +29,10 @@ _SERIES = {
 }
 
 
-def apply_metrics(worker: WorkerState, text: str) -> None:
-    """Update `worker` from a Prometheus text exposition (sums over label sets)."""
+def apply_metrics(worker: WorkerState, text: str) -> bool:
+    """Update `worker` from a Prometheus text exposition (sums over label sets). Returns True
+    when the worker restarted since the last scrape: its prefix-cache query counter went
+    down, which a counter does only in a new process (whose cache starts empty)."""
     totals: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         field = _SERIES.get(family.name)
@@ -42,17 +45,24 @@ def apply_metrics(worker: WorkerState, text: str) -> None:
     worker.num_running = int(totals.get("num_running", worker.num_running))
     worker.num_waiting = int(totals.get("num_waiting", worker.num_waiting))
     worker.kv_usage = totals.get("kv_usage", worker.kv_usage)
-    worker.prefix_queries = totals.get("prefix_queries", worker.prefix_queries)
+    queries = totals.get("prefix_queries", worker.prefix_queries)
+    restarted = queries < worker.prefix_queries
+    worker.prefix_queries = queries
     worker.prefix_hits = totals.get("prefix_hits", worker.prefix_hits)
+    return restarted
 
 
 class Scraper(Periodic):
-    """Polls every worker; runs as one background task on the gateway's event loop."""
+    """Polls every worker; runs as one background task on the gateway's event loop. A worker
+    seen restarted (`apply_metrics`) is reported to `on_restart(url)`: a routing policy's index
+    of what it cached is stale from then on."""
 
-    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, interval_s: float = 1.0):
+    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, interval_s: float = 1.0,
+                 on_restart: Callable[[str], None] | None = None):
         self.pool = pool
         self.client = client
         self.interval_s = interval_s
+        self.on_restart = on_restart
 
     async def scrape_once(self) -> None:
         await asyncio.gather(*(self._scrape(w) for w in self.pool.workers.values()))
@@ -69,7 +79,9 @@ class Scraper(Periodic):
             if ok:
                 metrics = await self.client.get(f"{worker.url}/metrics", timeout=2.0)
                 if metrics.status_code == 200:
-                    apply_metrics(worker, metrics.text)
+                    restarted = apply_metrics(worker, metrics.text)
                     worker.last_scrape = now
+                    if restarted and self.on_restart is not None:
+                        self.on_restart(worker.url)
         except (httpx.HTTPError, ValueError) as exc:
             self.pool.record_health(worker.url, False, now, f"{type(exc).__name__}: {exc}")
