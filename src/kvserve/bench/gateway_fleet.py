@@ -28,7 +28,7 @@ from kvserve.bench.server_launch import (
     ManagedProcess,
     free_port,
 )
-from kvserve.gateway.policies import parse_policy_options
+from kvserve.gateway.policies import split_policy_spec
 
 IDEAL = "ideal"
 KVSERVE_GATEWAY = "kvserve"
@@ -52,14 +52,13 @@ class RouterSpec:
         if text == IDEAL:
             return cls(IDEAL)
         kind, _, rest = text.partition(":")
-        policy, *options = rest.split("@")
+        policy, options = split_policy_spec(rest)  # a malformed option fails before any process
         if kind not in ROUTER_KINDS or not policy:
             raise ValueError(f"router {text!r}: use 'ideal' or KIND:POLICY with KIND one of "
                              f"{', '.join(ROUTER_KINDS)} (e.g. kvserve:prefix_hash, "
                              "sglang:cache_aware)")
         if options and kind != KVSERVE_GATEWAY:
             raise ValueError(f"router {text!r}: @KEY=VALUE options are for kvserve policies only")
-        parse_policy_options(options)  # a malformed option fails here, before any process
         return cls(kind, policy, tuple(options))
 
     @property

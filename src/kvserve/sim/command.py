@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from kvserve.gateway.policies import parse_policy_options
+from kvserve.gateway.policies import parse_policy_options, split_policy_spec
 from kvserve.sim.client import ClientConfig
 from kvserve.sim.fleet import SIMULATED_POLICIES, SimConfig
 from kvserve.sim.gateway import Backpressure
@@ -128,7 +128,7 @@ def build_tasks(args: argparse.Namespace) -> list[SimTask]:
         backpressure = (Backpressure(args.max_in_flight, args.max_queued, args.queue_timeout,
                                      args.retry_after) if throttled else None)
         for spec in policies:
-            policy, *option_specs = spec.split("@")
+            policy, option_specs = split_policy_spec(spec)
             config = SimConfig(
                 num_workers=args.workers, worker=worker, profile=profile, policy=policy,
                 policy_options=parse_policy_options(option_specs),

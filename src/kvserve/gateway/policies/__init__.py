@@ -23,6 +23,7 @@ from kvserve.gateway.policies.factory import (
     POLICY_NAMES,
     make_policy,
     parse_policy_options,
+    split_policy_spec,
 )
 from kvserve.gateway.policies.least_load import LeastLoadPolicy
 from kvserve.gateway.policies.precise import PrecisePolicy
@@ -58,4 +59,5 @@ __all__ = [
     "rendezvous_key",
     "rendezvous_order",
     "rendezvous_weight",
+    "split_policy_spec",
 ]

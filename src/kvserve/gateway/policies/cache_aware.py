@@ -46,10 +46,8 @@ class CacheAwarePolicy:
         footprint_weight: float = DEFAULT_FOOTPRINT_WEIGHT,
         backlog_weight: float = DEFAULT_BACKLOG_WEIGHT,
     ) -> None:
-        check_weights(block_credit, load_weight, backlog_weight)
+        check_weights(block_credit, load_weight, footprint_weight, backlog_weight)
         self.backlog_weight = backlog_weight
-        if not 0.0 <= footprint_weight < float("inf"):
-            raise ValueError(f"footprint_weight must be >= 0 and finite, got {footprint_weight}")
         self.footprint_weight = footprint_weight
         if max_blocks_per_worker < 1:
             raise ValueError(f"max_blocks_per_worker must be >= 1, got {max_blocks_per_worker}")

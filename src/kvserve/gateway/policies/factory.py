@@ -59,6 +59,14 @@ def parse_policy_options(specs: Sequence[str]) -> dict[str, int | float | bool |
     return options
 
 
+def split_policy_spec(spec: str) -> tuple[str, list[str]]:
+    """`POLICY@KEY=VALUE[@KEY=VALUE]` as the policy's name and its `KEY=VALUE` strings (checked
+    with `parse_policy_options`, so a malformed one raises ValueError here)."""
+    name, *options = spec.strip().split("@")
+    parse_policy_options(options)
+    return name, options
+
+
 def _option_value(raw: str) -> int | float | bool | str:
     for convert in (int, float):
         try:

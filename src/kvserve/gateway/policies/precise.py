@@ -57,10 +57,8 @@ class PrecisePolicy:
         footprint_weight: float = DEFAULT_FOOTPRINT_WEIGHT,
         backlog_weight: float = DEFAULT_BACKLOG_WEIGHT,
     ) -> None:
-        check_weights(block_credit, load_weight, backlog_weight)
+        check_weights(block_credit, load_weight, footprint_weight, backlog_weight)
         self.backlog_weight = backlog_weight
-        if not 0.0 <= footprint_weight < float("inf"):
-            raise ValueError(f"footprint_weight must be >= 0 and finite, got {footprint_weight}")
         self.footprint_weight = footprint_weight
         if prefix_blocks < 1 or max_blocks_per_worker < 1 or max_pending_blocks_per_worker < 0:
             raise ValueError(

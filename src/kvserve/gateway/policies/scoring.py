@@ -59,14 +59,17 @@ gateway`, six seeds, docs/benchmarks.md), 0.25 cut overload's pooled p99 by 10% 
 and 8% (`precise`). At 0 the score is the request-count load alone."""
 
 
-def check_weights(block_credit: float, load_weight: float, backlog_weight: float = 0.0) -> None:
+def check_weights(block_credit: float, load_weight: float, footprint_weight: float = 0.0,
+                  backlog_weight: float = 0.0) -> None:
     """Raise ValueError unless `block_credit` and `load_weight` are positive and finite and
-    `backlog_weight` is >= 0 and finite."""
+    `footprint_weight` and `backlog_weight` are >= 0 and finite."""
     for name, value in (("block_credit", block_credit), ("load_weight", load_weight)):
         if not 0.0 < value < float("inf"):
             raise ValueError(f"{name} must be a positive finite number, got {value}")
-    if not 0.0 <= backlog_weight < float("inf"):
-        raise ValueError(f"backlog_weight must be >= 0 and finite, got {backlog_weight}")
+    for name, value in (("footprint_weight", footprint_weight),
+                        ("backlog_weight", backlog_weight)):
+        if not 0.0 <= value < float("inf"):
+            raise ValueError(f"{name} must be >= 0 and finite, got {value}")
 
 
 def score_route(
