@@ -19,6 +19,10 @@ def _aborted_frees(server: ServerProcess) -> float:
     return server.metrics().value("kvserve:kv_request_frees_total", **ABORTED)
 
 
+def _running(server: ServerProcess) -> float:
+    return server.metrics().value("vllm:num_requests_running")
+
+
 def _is_drained(server: ServerProcess) -> bool:
     m = server.metrics()
     return (m.value("kvserve:kv_held_blocks") == 0
@@ -93,7 +97,13 @@ def test_non_streaming_disconnect_aborts_the_request(server: ServerProcess) -> N
     async def drop() -> None:
         async with httpx.AsyncClient(base_url=server.url, timeout=60.0) as http:
             request = asyncio.ensure_future(http.post("/v1/completions", json=body))
-            await asyncio.sleep(0.3)
+            # Drop once the samples run (a fixed sleep raced a slow CI machine: the client
+            # went away before the server had read the body, so nothing was ever admitted).
+            end = asyncio.get_running_loop().time() + 30.0
+            while await asyncio.to_thread(_running, server) < 32:
+                assert not request.done(), "the request finished before its samples were seen"
+                assert asyncio.get_running_loop().time() < end, _describe(server)
+                await asyncio.sleep(0.05)
             assert not request.done()
             request.cancel()
             await asyncio.gather(request, return_exceptions=True)
