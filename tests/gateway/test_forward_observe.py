@@ -55,6 +55,14 @@ def run_scenario(urls: list[str], scenario: Scenario) -> None:
     asyncio.run(main())
 
 
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
+    """Yield to the event loop until `condition()` holds; fail naming `what` on timeout."""
+    end = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 async def cancel(*tasks: asyncio.Task[object]) -> None:
     for task in tasks:
         task.cancel()
@@ -70,7 +78,8 @@ def test_a_second_request_follows_the_first_before_the_worker_answers() -> None:
         route = request("the tenant's long shared system prompt " * 8, "acme")
         first = asyncio.create_task(forwarder.open("/v1/completions", {"prompt": "x"}, {},
                                                    route, 0.0))
-        await asyncio.sleep(0.3)  # the first request is out, its worker silent
+        await until(lambda: sum(pool.get(u).in_flight for u in pool.urls) == 1,
+                    "the first request to be out, its worker silent")
         assert not first.done()
         decision = policy.route(route, pool.views(0.0))
         chosen = [u for u in pool.urls if pool.get(u).in_flight == 1]
@@ -83,9 +92,8 @@ def test_a_second_request_follows_the_first_before_the_worker_answers() -> None:
                          "acme")
         second = asyncio.create_task(forwarder.open("/v1/completions", {"prompt": "y"}, {},
                                                     longer, 0.0))
-        await asyncio.sleep(0.3)
+        await until(lambda: worker.in_flight == 2, "the second request to follow the first")
         held = len(route.prefix_hashes)
-        assert worker.in_flight == 2
         assert worker.prefill_backlog_tokens == route.num_tokens + longer.uncached_tokens(held)
         assert longer.uncached_tokens(held) < longer.num_tokens
         await cancel(first, second)
@@ -106,7 +114,8 @@ def test_in_disaggregated_mode_the_backlog_is_the_prefill_workers() -> None:
         route = request("a prompt the prefill worker computes " * 8, "acme")
         task = asyncio.create_task(forwarder.open("/v1/completions", {"prompt": "x"}, {},
                                                   route, 0.0))
-        await asyncio.sleep(0.3)  # out to a decode worker, which waits for the KV
+        await until(lambda: pool.get(prefill_url).prefill_backlog_tokens > 0,
+                    "the request to be out to a decode worker, which waits for the KV")
         assert pool.get(prefill_url).prefill_backlog_tokens == route.num_tokens > 0
         assert [pool.get(u).prefill_backlog_tokens for u in decode_urls] == [0, 0]
         await cancel(task)
