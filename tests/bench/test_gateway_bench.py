@@ -112,6 +112,19 @@ def test_router_specs_are_checked() -> None:
         RouterSpec.parse("kvserve:cache_aware@backlog_weight")
 
 
+def test_router_specs_carry_gateway_flags_checked_against_the_gateways_parser() -> None:
+    variant = RouterSpec.parse("kvserve:precise@backlog_weight=0@--kv-events-min-interval=0.5")
+    assert variant.label == "kvserve:precise@backlog_weight=0@--kv-events-min-interval=0.5"
+    assert variant.gateway_args == ["--policy-option=backlog_weight=0",
+                                    "--kv-events-min-interval=0.5"]
+    with pytest.raises(ValueError, match="no flag '--no-such-flag=1'"):
+        RouterSpec.parse("kvserve:precise@--no-such-flag=1")
+    with pytest.raises(ValueError, match="invalid float value"):
+        RouterSpec.parse("kvserve:precise@--kv-events-min-interval=soon")
+    with pytest.raises(ValueError, match="kvserve policies only"):
+        RouterSpec.parse("sglang:cache_aware@--kv-events-min-interval=0.5")
+
+
 def test_worker_args_reach_the_workers_command_and_refuse_calibration(tmp_path: Path) -> None:
     from kvserve.bench.server_launch import KVSERVE, LaunchSpec, server_command
 

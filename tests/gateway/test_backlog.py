@@ -117,3 +117,4 @@ def test_the_gateway_command_refuses_a_bad_policy_option(
                "--policy-option", "backlog_weight=-1"])
     assert rc == 2
     assert "backlog_weight must be >= 0" in capsys.readouterr().err
+

@@ -195,3 +195,14 @@ def test_health_and_metrics(gateway: Process, make_client: MakeClient, model_nam
     assert metrics.value("kvserve:gateway_requests_total") > 0
     assert metrics.value("kvserve:gateway_added_latency_seconds_count") > 0
     assert 0.0 < metrics.value("kvserve:gateway_fleet_prefix_hit_rate") <= 1.0
+
+
+def test_workers_shows_each_workers_kv_capacity_from_its_own_metrics(
+        gateway: Process, fleet: list[Process]) -> None:
+    capacities = {}
+    for worker in fleet:
+        [labels] = [lab for name, lab, _ in worker.metrics().samples
+                    if name == "vllm:cache_config_info"]
+        capacities[worker.url] = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+    shown = {w["url"]: w["kv_capacity_tokens"] for w in gateway.get("/workers").json()["workers"]}
+    assert shown == capacities and min(shown.values()) > 0

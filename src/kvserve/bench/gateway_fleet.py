@@ -10,6 +10,7 @@ replicas, each its own process; "ideal" is no router at all (the clients split b
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Sequence
@@ -28,6 +29,7 @@ from kvserve.bench.server_launch import (
     ManagedProcess,
     free_port,
 )
+from kvserve.gateway.command import add_gateway_arguments
 from kvserve.gateway.policies import split_policy_spec
 
 IDEAL = "ideal"
@@ -40,11 +42,13 @@ ROUTER_KINDS = (KVSERVE_GATEWAY, SGLANG_ROUTER)
 class RouterSpec:
     """`kind:policy` (e.g. kvserve:prefix_hash, sglang:cache_aware) or `ideal`; a kvserve
     policy may carry gateway policy options, `kvserve:cache_aware@backlog_weight=0@...` (each
-    passed as `--policy-option`), so variants of one policy run side by side."""
+    passed as `--policy-option`), and gateway flags, `kvserve:precise@--kv-events-min-interval=
+    0.5` (passed as given), so variants of one policy run side by side."""
 
     kind: str
     policy: str = ""
     options: tuple[str, ...] = ()
+    flags: tuple[str, ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> RouterSpec:
@@ -52,25 +56,46 @@ class RouterSpec:
         if text == IDEAL:
             return cls(IDEAL)
         kind, _, rest = text.partition(":")
-        policy, options = split_policy_spec(rest)  # a malformed option fails before any process
+        name, *parts = rest.split("@")
+        flags = tuple(p for p in parts if p.startswith("--"))
+        # A malformed option fails here, before any process starts.
+        policy, options = split_policy_spec("@".join(
+            [name, *(p for p in parts if not p.startswith("--"))]))
         if kind not in ROUTER_KINDS or not policy:
             raise ValueError(f"router {text!r}: use 'ideal' or KIND:POLICY with KIND one of "
                              f"{', '.join(ROUTER_KINDS)} (e.g. kvserve:prefix_hash, "
                              "sglang:cache_aware)")
-        if options and kind != KVSERVE_GATEWAY:
-            raise ValueError(f"router {text!r}: @KEY=VALUE options are for kvserve policies only")
-        return cls(kind, policy, tuple(options))
+        _check_gateway_flags(text, flags)
+        if (options or flags) and kind != KVSERVE_GATEWAY:
+            raise ValueError(f"router {text!r}: @KEY=VALUE options and @--flag=VALUE gateway "
+                             "flags are for kvserve policies only")
+        return cls(kind, policy, tuple(options), flags)
 
     @property
     def label(self) -> str:
         if self.kind == IDEAL:
             return IDEAL
-        return "@".join((f"{self.kind}:{self.policy}", *self.options))
+        return "@".join((f"{self.kind}:{self.policy}", *self.options, *self.flags))
 
     @property
     def gateway_args(self) -> list[str]:
-        """The `kvserve gateway` arguments for the options."""
-        return [f"--policy-option={option}" for option in self.options]
+        """The `kvserve gateway` arguments for the options and flags."""
+        return [*(f"--policy-option={option}" for option in self.options), *self.flags]
+
+
+def _check_gateway_flags(router: str, flags: Sequence[str]) -> None:
+    """Raise ValueError unless `kvserve gateway` accepts `flags` (before any process starts)."""
+    if not flags:
+        return
+    parser = argparse.ArgumentParser(prog="kvserve gateway", exit_on_error=False)
+    add_gateway_arguments(parser)
+    try:
+        _, unknown = parser.parse_known_args(list(flags))
+    except argparse.ArgumentError as exc:
+        raise ValueError(f"router {router!r}: {exc}") from exc
+    if unknown:
+        raise ValueError(f"router {router!r}: `kvserve gateway` has no flag {unknown[0]!r}; "
+                         "see `kvserve gateway --help`")
 
 
 class KvserveGateway(ManagedProcess):

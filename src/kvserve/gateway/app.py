@@ -18,9 +18,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvserve.gateway.admission import Admission, Saturated
 from kvserve.gateway.forward import Forwarder, NoWorkerAvailable, Upstream
-from kvserve.gateway.kv_events import EventFollower
+from kvserve.gateway.kv_events import DEFAULT_MIN_POLL_INTERVAL_S, EventFollower
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import (
+    CapacityAware,
     DisaggregatedRouter,
     NoHealthyWorker,
     PrecisePolicy,
@@ -56,6 +57,7 @@ class GatewaySettings:
     tokenizer: str | None = None  # the workers' tokenizer, for exact keys (`precise`)
     block_size: int = 16  # the workers' KV block size, for exact keys
     events_interval_s: float = 0.25  # `precise`: pause after a failed read of KV events
+    events_min_interval_s: float = DEFAULT_MIN_POLL_INTERVAL_S  # between reads of one worker
     admin_key: str | None = None  # sent to the workers' /kv/events and to decode workers
     # Disaggregated mode (both non-empty): prompts prefilled on `prefill_workers` (by
     # `policy`), decoded on `decode_workers` (by least load); `workers` is then their union.
@@ -113,9 +115,13 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
     forwarder = Forwarder(pool, policy, upstream_client, budget, metrics, settings.policy,
                           settings.request_timeout_s, disagg, settings.admin_key)
     # A restarted worker caches nothing: the policy forgets what its index said it held.
-    scraper = Scraper(pool, client, settings.scrape_interval_s, on_restart=policy.remove_worker)
+    # An index that cannot see evictions holds no more than the worker's KV cache can.
+    scraper = Scraper(pool, client, settings.scrape_interval_s, on_restart=policy.remove_worker,
+                      on_capacity=(policy.set_worker_capacity
+                                   if isinstance(policy, CapacityAware) else None))
     follower = (EventFollower(pool, policy, client, settings.events_interval_s,
-                              settings.admin_key)
+                              settings.admin_key,
+                              min_interval_s=settings.events_min_interval_s)
                 if isinstance(policy, PrecisePolicy) else None)
 
     @asynccontextmanager
@@ -241,7 +247,8 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
             {"url": w.url, "role": w.role, "healthy": w.view(now).healthy,
              "in_flight": w.in_flight, "prefill_backlog_tokens": w.prefill_backlog_tokens,
              "num_running": w.num_running, "num_waiting": w.num_waiting,
-             "kv_usage": w.kv_usage, "prefix_hit_rate": (w.prefix_hits / w.prefix_queries
+             "kv_usage": w.kv_usage, "kv_capacity_tokens": w.kv_capacity_tokens or None,
+             "prefix_hit_rate": (w.prefix_hits / w.prefix_queries
                                                          if w.prefix_queries else None),
              "requests": w.requests, "failures": w.failures, "backpressure": w.backpressure,
              "ejected_for_s": max(0.0, w.ejected_until - now), "last_error": w.last_error}

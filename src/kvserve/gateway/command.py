@@ -16,11 +16,13 @@ import uvicorn
 from rich.console import Console
 
 from kvserve.gateway.app import GatewaySettings, create_gateway
+from kvserve.gateway.kv_events import DEFAULT_MIN_POLL_INTERVAL_S
 from kvserve.gateway.policies import POLICY_NAMES, make_policy, parse_policy_options
 from kvserve.gateway.tenancy import Tenancy
 
 
-def _add_gateway_arguments(p: argparse.ArgumentParser) -> None:
+def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
+    """The routing and admission flags `kvserve gateway` and `kvserve up` share."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--policy", choices=POLICY_NAMES, default="prefix_hash")
@@ -42,6 +44,9 @@ def _add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                         "--policy precise (default: the first worker's /v1/models root, when "
                         "it is a local directory)")
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size")
+    p.add_argument("--kv-events-min-interval", type=float, default=DEFAULT_MIN_POLL_INTERVAL_S,
+                   metavar="S", help="`precise`: at least this many seconds between two reads "
+                   "of one worker's KV events (each read costs the worker CPU)")
     p.add_argument("--admin-key", default=os.environ.get("KVSERVE_ADMIN_KEY"),
                    help="key for the workers' /kv/events (env KVSERVE_ADMIN_KEY)")
     p.add_argument("--salt-secret", default=os.environ.get("KVSERVE_SALT_SECRET", "kvserve"),
@@ -50,6 +55,9 @@ def _add_gateway_arguments(p: argparse.ArgumentParser) -> None:
 
 def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] | None = None,
               decode: list[str] | None = None) -> GatewaySettings:
+    if not 0.0 <= args.kv_events_min_interval <= 60.0:
+        raise ValueError("--kv-events-min-interval must be between 0 and 60 seconds, got "
+                         f"{args.kv_events_min_interval}")
     prefill_urls = tuple(w.rstrip("/") for w in prefill or ())
     decode_urls = tuple(w.rstrip("/") for w in decode or ())
     return GatewaySettings(
@@ -60,6 +68,7 @@ def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] |
         queue_timeout_s=args.queue_timeout, retry_ratio=args.retry_ratio,
         tenancy=Tenancy.from_specs(args.share_group, args.tenant_header, args.salt_secret),
         tokenizer=args.tokenizer, block_size=args.block_size, admin_key=args.admin_key,
+        events_min_interval_s=args.kv_events_min_interval,
     )
 
 
@@ -73,7 +82,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     g.add_argument("--decode-worker", action="append", default=[], metavar="URL",
                    help="disaggregated mode: a `kvserve serve --role decode` worker "
                         "(repeatable; chosen by least load)")
-    _add_gateway_arguments(g)
+    add_gateway_arguments(g)
     g.set_defaults(func=run_gateway)
 
     u = sub.add_parser("up", help="N local kvserve workers and the gateway, one command")
@@ -88,7 +97,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     u.add_argument("--model", default=None, help="HF id or local path (default: demo model)")
     u.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for each `kvserve serve` (repeatable)")
-    _add_gateway_arguments(u)
+    add_gateway_arguments(u)
     u.set_defaults(func=run_up)
 
 

@@ -24,6 +24,7 @@ class WorkerState:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    kv_capacity_tokens: int = 0  # from the worker's /metrics; 0 until known
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
     consecutive_failures: int = 0

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.gateway.policies import RoutingPolicy, make_policy
+from kvserve.gateway.policies import CapacityAware, RoutingPolicy, make_policy
 from kvserve.sim.client import Attempt, ClientConfig, ClientRequest, Outcome
 from kvserve.sim.costmodel import CostProfile
 from kvserve.sim.events import EventQueue, Priority
@@ -68,12 +68,7 @@ class SimConfig:
 
     def make_policy(self) -> RoutingPolicy:
         options = dict(self.policy_options)
-        if self.policy == "cache_aware":
-            # The index should forget about when a worker does (the policy's own advice).
-            capacity = self.worker.num_blocks * self.worker.block_size
-            options.setdefault("max_blocks_per_worker",
-                               max(1, capacity // self.route_block_tokens))
-        elif self.policy == "least_load":
+        if self.policy == "least_load":
             options.setdefault("seed", self.seed)
         return make_policy(self.policy, **options)
 
@@ -91,7 +86,12 @@ class FleetSimulator:
         ids = list(config.worker_ids or (f"w{i:02d}" for i in range(config.num_workers)))
         self.workers = {w: SimWorker(w, config.worker, config.profile, self.events, self)
                         for w in ids}
-        self.gateway = SimGateway(config.make_policy(), ids)
+        policy = config.make_policy()
+        if isinstance(policy, CapacityAware):  # as the gateway learns it from /metrics
+            for worker_id in ids:
+                policy.set_worker_capacity(worker_id,
+                                           config.worker.num_blocks * config.worker.block_size)
+        self.gateway = SimGateway(policy, ids)
         self.clients: list[ClientRequest] = []
         self.timeline: list[TimelineSample] = []
         self._attempt_of: dict[str, Attempt] = {}

@@ -8,6 +8,7 @@ fleet simulator both drive them through `RoutingPolicy`.
 
 from kvserve.gateway.policies.base import (
     Branch,
+    CapacityAware,
     NoHealthyWorker,
     RouteDecision,
     RouteRequest,
@@ -41,6 +42,7 @@ __all__ = [
     "BlockIndex",
     "Branch",
     "CacheAwarePolicy",
+    "CapacityAware",
     "DisaggregatedRouter",
     "LeastLoadPolicy",
     "NoHealthyWorker",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol, Self
+from typing import Protocol, Self, runtime_checkable
 
 from kvserve.gateway.prefix import DEFAULT_BLOCK_TOKENS, RouteKey
 
@@ -132,6 +132,18 @@ class RoutingPolicy(Protocol):
 
     def remove_worker(self, worker_id: str) -> None:
         """Forget everything about a worker that left the fleet."""
+        ...
+
+
+@runtime_checkable
+class CapacityAware(Protocol):
+    """A policy whose index of a worker should hold no more than the worker's KV cache can
+    (`cache_aware`: it cannot see evictions, so it forgets at the worker's capacity instead).
+    The gateway calls it when it learns a worker's capacity from the worker's /metrics; the
+    fleet simulator when it builds the fleet."""
+
+    def set_worker_capacity(self, worker_id: str, kv_tokens: int) -> None:
+        """The worker's KV cache holds `kv_tokens` tokens."""
         ...
 
 

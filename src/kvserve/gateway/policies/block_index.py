@@ -47,6 +47,15 @@ class BlockIndex:
                 if len(blocks) > self.capacity:
                     blocks.popitem(last=False)
 
+    def resize(self, capacity: int) -> None:
+        """Hold at most `capacity` blocks from now on, evicting the least recent beyond it."""
+        if capacity < 1:
+            raise ValueError(f"an index needs a capacity >= 1 block, got {capacity}")
+        self.capacity = capacity
+        blocks = self._blocks
+        while len(blocks) > capacity:
+            blocks.popitem(last=False)
+
     def remove(self, block_hashes: Iterable[bytes]) -> None:
         """Forget these blocks (absent ones are ignored)."""
         for block_hash in block_hashes:

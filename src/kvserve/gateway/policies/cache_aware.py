@@ -23,8 +23,9 @@ from kvserve.gateway.policies.scoring import (
 )
 
 DEFAULT_MAX_BLOCKS_PER_WORKER = 65_536
-"""About 16M tokens of character blocks per worker, ~2 MiB of hashes: set it near a worker's KV
-capacity in blocks, so the index forgets about when the worker does."""
+"""About 4M tokens of character blocks per worker, ~2 MiB of hashes: a cap on memory. The index
+should forget about when the worker does, so a worker whose KV capacity is known
+(`set_worker_capacity`, from its /metrics) is indexed in at most that many tokens of blocks."""
 
 
 class CacheAwarePolicy:
@@ -32,7 +33,10 @@ class CacheAwarePolicy:
     `max_blocks_per_worker`), and routes by `scoring.score_route`: cached-prefix credit against
     load, continuously, a prefix nobody holds going to the emptiest index (score's footprint
     term). Approximate: it assumes a worker caches what it was sent until the LRU
-    forgets it. Two instances fed the same calls agree; replicas each learn their own traffic."""
+    forgets it, and the LRU holds no more than the worker can (`set_worker_capacity`): a worker
+    that took every tenant while another was down kept only the most recent ones, and the rest
+    must not stay pinned to it when the other comes back. Two instances fed the same calls
+    agree; replicas each learn their own traffic."""
 
     name = "cache_aware"
 
@@ -58,6 +62,7 @@ class CacheAwarePolicy:
         self.load_weight = load_weight
         self.prefix_blocks = prefix_blocks
         self._indexes: dict[str, BlockIndex] = {}
+        self._capacity_tokens: dict[str, int] = {}
 
     def route(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RouteDecision:
         """The healthy worker with the best score; changes no index."""
@@ -75,20 +80,40 @@ class CacheAwarePolicy:
         )
 
     def observe(self, request: RouteRequest, worker_id: str) -> None:
-        """The worker will cache the request's prefix: insert (or refresh) its blocks."""
+        """The worker will cache the request's prefix: insert (or refresh) its blocks, in an
+        index of at most the worker's capacity in this request's blocks."""
+        capacity = self._capacity_blocks(worker_id, request.block_tokens)
         index = self._indexes.get(worker_id)
         if index is None:
-            index = self._indexes[worker_id] = BlockIndex(self.max_blocks_per_worker)
+            index = self._indexes[worker_id] = BlockIndex(capacity)
+        elif index.capacity != capacity:
+            index.resize(capacity)
         index.touch_chain(request.prefix_hashes)
 
+    def set_worker_capacity(self, worker_id: str, kv_tokens: int) -> None:
+        """The worker's KV cache holds `kv_tokens` tokens (its `vllm:cache_config_info`): from
+        now on its index holds at most that many tokens of blocks, the least recent forgotten
+        first. Raises ValueError for a capacity below one token."""
+        if kv_tokens < 1:
+            raise ValueError(f"worker {worker_id!r}: a KV capacity must be >= 1 token, "
+                             f"got {kv_tokens}")
+        self._capacity_tokens[worker_id] = kv_tokens
+
     def remove_worker(self, worker_id: str) -> None:
-        """Drop the worker's index."""
+        """Drop the worker's index (its capacity is kept: a restart keeps its configuration,
+        and a new one arrives through `set_worker_capacity`)."""
         self._indexes.pop(worker_id, None)
 
     def index_size(self, worker_id: str) -> int:
         """Blocks indexed for a worker (never above `max_blocks_per_worker`)."""
         index = self._indexes.get(worker_id)
         return len(index) if index is not None else 0
+
+    def _capacity_blocks(self, worker_id: str, block_tokens: int) -> int:
+        kv_tokens = self._capacity_tokens.get(worker_id)
+        if kv_tokens is None:
+            return self.max_blocks_per_worker
+        return max(1, min(self.max_blocks_per_worker, kv_tokens // block_tokens))
 
     def _num_matched(self, worker_id: str, prefix_hashes: Sequence[bytes]) -> int:
         index = self._indexes.get(worker_id)
