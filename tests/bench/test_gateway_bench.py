@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from kvserve.bench.gateway_workload import (
     working_set_tokens,
 )
 from kvserve.bench.serve_prompts import PromptBuilder
+from kvserve.bench.server_launch import CpuReading, ManagedProcess
 from kvserve.model import Tokenizer
 from kvserve.runtime.demo_model import ensure_demo_model
 from kvserve.workload import TRACE_BLOCK_SIZE, MultiTenantSpec, TraceRequest
@@ -229,3 +231,33 @@ def test_repeated_runs_are_pooled_per_case_and_router(capsys: pytest.CaptureFixt
     assert float(p50) == pytest.approx(35.0) and 55.0 < float(p99) <= 60.0
     print_pooled([run("ideal", 0, 0.9, [1.0])])  # one seed each: nothing to pool, no table
     assert capsys.readouterr().out == ""
+
+
+class _Spinner(ManagedProcess):
+    """A process that burns CPU until stopped (no health endpoint: launched, never started)."""
+
+    def command(self) -> tuple[list[str], dict[str, str]]:
+        return [sys.executable, "-c", "while True: pass"], dict(os.environ)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_cpu_readings_count_what_the_processes_used_per_request(tmp_path: Path) -> None:
+    spinner = _Spinner("spinner", tmp_path, 5.0)
+    assert spinner.cpu_seconds() is None  # not running
+    spinner.launch()
+    try:
+        before = CpuReading.of([spinner], [spinner])
+        deadline = 10.0
+        while (spinner.cpu_seconds() or 0.0) - (before.router_s or 0.0) < 0.2 and deadline > 0:
+            deadline -= 0.05
+            time.sleep(0.05)
+        after = CpuReading.of([spinner], [spinner])
+    finally:
+        spinner.stop()
+    per_request = after.per_request_ms(before, 10)
+    assert per_request["router"] >= 0.2 * 1000 / 10
+    assert per_request["workers"] == pytest.approx(per_request["router"])
+    # A worker that restarted (another pid) is not counted; no routers, no router figure.
+    moved = CpuReading(None, {pid + 1: s for pid, s in after.workers_s.items()})
+    assert moved.per_request_ms(before, 10) == {}
+    assert after.per_request_ms(before, 0) == {}

@@ -67,7 +67,7 @@ from kvserve.bench.gateway_workload import (
     tenant_trace,
     working_set_tokens,
 )
-from kvserve.bench.server_launch import KVSERVE, VLLM, LaunchError, LaunchSpec
+from kvserve.bench.server_launch import KVSERVE, VLLM, CpuReading, LaunchError, LaunchSpec
 from kvserve.gateway.prefix import DEFAULT_BLOCK_CHARS
 from kvserve.sim.client import ClientConfig
 from kvserve.workload import MultiTenantSpec, TraceRequest
@@ -214,9 +214,12 @@ class Bench:
             policy = self.client_policy(case)
             actions = self._actions(case, requests)
             poller = CounterPoller(urls)
+            before = CpuReading.of(replicas, self.fleet.workers)
             results, duration, log = asyncio.run(
                 _with_poller(poller, run_open_loop(requests, self.model, target, policy,
                                                    actions)))
+            cpu = CpuReading.of(replicas, self.fleet.workers).per_request_ms(
+                before, len(requests))
             stats = (gateway_stats([r.url for r in replicas])
                      if router.kind == KVSERVE_GATEWAY else {})
         finally:
@@ -225,6 +228,7 @@ class Bench:
         run = summarize(case.name, router.label, case.replicas, requests, results, duration,
                         poller, log, seed)
         run.router_stats = stats
+        run.cpu_ms_per_request = cpu
         return run
 
     def _target(self, router: RouterSpec, requests: list[GatewayRequest],

@@ -46,6 +46,7 @@ class CaseRun:
     router_stats: dict[str, float] = field(default_factory=dict)  # kvserve gateways' /metrics
     seed: int = 0  # of the workload (--seed, + the repeat's index with --repeats)
     ttfts_ms: list[float] = field(default_factory=list)  # every completed request's, sorted
+    cpu_ms_per_request: dict[str, float] = field(default_factory=dict)  # "router", "workers"
 
     def one_line(self) -> str:
         return (f"hit {self.hit_rate:.3f} · TTFT p50 {self.ttft_ms['p50']:.0f} ms "
@@ -53,6 +54,9 @@ class CaseRun:
                 f"{self.retries} retries · {self.rejections} 429s · shares "
                 f"{'/'.join(f'{s:.2f}' for s in self.worker_shares)}"
                 + (f" · {'; '.join(self.actions)}" if self.actions else "")
+                + (" · CPU/request " + ", ".join(f"{k} {v:.1f} ms" for k, v in
+                                                 sorted(self.cpu_ms_per_request.items()))
+                   if self.cpu_ms_per_request else "")
                 + (" · gateway " + ", ".join(f"{k} {v:.0f}" for k, v in
                                             sorted(self.router_stats.items()))
                    if self.router_stats else ""))

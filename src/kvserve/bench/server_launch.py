@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
@@ -158,6 +159,23 @@ class ManagedProcess(ABC):
                 time.sleep(0.25)
         raise LaunchError(f"{self.name} not healthy after {self.startup_timeout_s:.0f} s")
 
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU the process (all its threads) has used so far; None when it is
+        not running or the platform has no /proc."""
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return None
+        try:
+            stat = Path(f"/proc/{proc.pid}/stat").read_text()
+        except OSError:
+            return None
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def kill(self) -> None:
         """SIGKILL the whole process group at once (a crash, for failover tests); idempotent."""
         proc, self._proc = self._proc, None
@@ -199,3 +217,38 @@ class LaunchedServer(ManagedProcess):
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, sig)  # the group LaunchedServer created, nothing else
+
+
+@dataclass(frozen=True, slots=True)
+class CpuReading:
+    """CPU seconds used so far by a run's router processes (together) and by each worker
+    process (by pid), read from /proc: what routing costs on the machine the workers share."""
+
+    router_s: float | None
+    workers_s: dict[int, float]
+
+    @classmethod
+    def of(cls, routers: Sequence[ManagedProcess], workers: Sequence[ManagedProcess]
+           ) -> CpuReading:
+        readings = [r.cpu_seconds() for r in routers]
+        router_s = (sum(x for x in readings if x is not None)
+                    if routers and None not in readings else None)
+        workers_s: dict[int, float] = {}
+        for worker in workers:
+            pid, seconds = worker.pid, worker.cpu_seconds()
+            if pid is not None and seconds is not None:
+                workers_s[pid] = seconds
+        return cls(router_s, workers_s)
+
+    def per_request_ms(self, before: CpuReading, num_requests: int) -> dict[str, float]:
+        """CPU ms per request since `before`: "router" (absent without router processes) and
+        "workers" (absent when a worker restarted in between: its CPU is not all counted)."""
+        out: dict[str, float] = {}
+        if num_requests < 1:
+            return out
+        if self.router_s is not None and before.router_s is not None:
+            out["router"] = (self.router_s - before.router_s) * 1000.0 / num_requests
+        if self.workers_s and self.workers_s.keys() == before.workers_s.keys():
+            used = sum(self.workers_s[p] - before.workers_s[p] for p in self.workers_s)
+            out["workers"] = used * 1000.0 / num_requests
+        return out
