@@ -92,8 +92,9 @@ class CacheAwarePolicy:
 
     def set_worker_capacity(self, worker_id: str, kv_tokens: int) -> None:
         """The worker's KV cache holds `kv_tokens` tokens (its `vllm:cache_config_info`): from
-        now on its index holds at most that many tokens of blocks, the least recent forgotten
-        first. Raises ValueError for a capacity below one token."""
+        the next request sent to it (`observe`, which knows the key's block size), its index
+        holds at most that many tokens of blocks, the least recent forgotten first. Raises
+        ValueError for a capacity below one token."""
         if kv_tokens < 1:
             raise ValueError(f"worker {worker_id!r}: a KV capacity must be >= 1 token, "
                              f"got {kv_tokens}")
