@@ -108,13 +108,16 @@ def test_policy_options_parse_into_typed_values() -> None:
         make_policy("precise", **parse_policy_options(["nope=1"]))
 
 
-def test_the_gateway_command_refuses_a_bad_policy_option(
-    capsys: pytest.CaptureFixture[str],
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--policy", "cache_aware", "--policy-option", "backlog_weight=-1"],
+     "backlog_weight must be >= 0"),
+    (["--policy", "precise", "--kv-events-min-interval", "-0.1"],
+     "--kv-events-min-interval must be between 0 and 60 seconds"),
+])
+def test_the_gateway_command_refuses_a_bad_routing_flag(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str],
 ) -> None:
     from kvserve.cli import main
 
-    rc = main(["gateway", "--worker", "http://127.0.0.1:9", "--policy", "cache_aware",
-               "--policy-option", "backlog_weight=-1"])
-    assert rc == 2
-    assert "backlog_weight must be >= 0" in capsys.readouterr().err
-
+    assert main(["gateway", "--worker", "http://127.0.0.1:9", *flags]) == 2
+    assert message in capsys.readouterr().err

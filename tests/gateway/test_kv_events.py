@@ -81,14 +81,3 @@ async def _follow_a_busy_worker() -> None:
         await follower.stop()
     assert 4 <= follower.polls <= 7  # uncapped, this loop polls thousands of times
     assert follower.applied == follower.polls and policy.num_cached_blocks("http://w") > 0
-
-
-def test_the_gateway_command_refuses_a_bad_kv_events_interval(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    from kvserve.cli import main
-
-    rc = main(["gateway", "--worker", "http://127.0.0.1:9", "--policy", "precise",
-               "--kv-events-min-interval", "-0.1"])
-    assert rc == 2
-    assert "--kv-events-min-interval must be between 0 and 60 seconds" in capsys.readouterr().err
