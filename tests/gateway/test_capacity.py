@@ -135,3 +135,36 @@ def test_the_scraper_tells_the_policy_each_new_capacity_once() -> None:
     asyncio.run(scenario())
     assert sorted(told[:2]) == [("http://a", 512 * 16), ("http://b", 256 * 16)]
     assert told[2:] == [("http://b", 128 * 16)]
+
+
+def _full_pair(policy: CacheAwarePolicy) -> list[RouteRequest]:
+    """Tenants 0-5 sent alternately to a and b, each caching two: 0-3 are forgotten."""
+    two_tenants = 2 * BLOCKS_PER_TENANT * tenant_request(0).block_tokens
+    for worker in ("a", "b", "c"):
+        policy.set_worker_capacity(worker, two_tenants)
+    tenants = [tenant_request(t) for t in range(6)]
+    for i, req in enumerate(tenants):
+        policy.observe(req, "ab"[i % 2])
+    return tenants
+
+
+def test_with_every_cache_full_a_forgotten_tenant_goes_back_to_its_last_worker() -> None:
+    homing, plain = CacheAwarePolicy(home_weight=4.0), CacheAwarePolicy()
+    forgotten = _full_pair(homing)[0]  # last sent to a
+    _full_pair(plain)
+    busy_home = views({"a": 2, "b": 0})  # a is two requests busier
+    assert plain.route(forgotten, busy_home).worker_id == "b"  # moved: evicts a tenant on b
+    decision = homing.route(forgotten, busy_home)
+    assert (decision.worker_id, decision.branch) == ("a", Branch.LEAST_LOAD)
+    assert homing.route(forgotten, views({"a": 5, "b": 0})).worker_id == "b"  # home too busy
+    # An empty worker (c just came back) outweighs the home: there is room for the tenant.
+    assert homing.route(forgotten, views({"a": 0, "b": 0, "c": 0})).worker_id == "c"
+
+
+def test_the_capacity_and_the_home_are_options() -> None:
+    policy = CacheAwarePolicy(use_worker_capacity=False)
+    policy.set_worker_capacity("a", 2 * tenant_request(0).block_tokens)
+    policy.observe(tenant_request(0), "a")
+    assert policy.index_size("a") == BLOCKS_PER_TENANT  # not capped at two blocks
+    with pytest.raises(ValueError, match="home_weight must be >= 0"):
+        CacheAwarePolicy(home_weight=-1.0)

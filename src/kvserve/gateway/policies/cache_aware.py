@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvserve.gateway.policies.base import (
@@ -12,7 +13,7 @@ from kvserve.gateway.policies.base import (
     healthy_workers,
 )
 from kvserve.gateway.policies.block_index import BlockIndex
-from kvserve.gateway.policies.rendezvous import DEFAULT_PREFIX_BLOCKS
+from kvserve.gateway.policies.rendezvous import DEFAULT_PREFIX_BLOCKS, rendezvous_key
 from kvserve.gateway.policies.scoring import (
     DEFAULT_BACKLOG_WEIGHT,
     DEFAULT_BLOCK_CREDIT,
@@ -21,6 +22,14 @@ from kvserve.gateway.policies.scoring import (
     check_weights,
     score_route,
 )
+
+DEFAULT_HOME_WEIGHT = 0.0
+"""Off by default. A prefix nobody holds any more (forgotten with its worker's capacity) gets
+this much credit, in requests of load, on the worker it was last sent to: with every cache full,
+moving a tenant only evicts another one elsewhere."""
+
+MAX_HOMES = 65_536
+"""Prefix keys whose last worker is remembered (32-byte keys: about 6 MiB)."""
 
 DEFAULT_MAX_BLOCKS_PER_WORKER = 65_536
 """About 4M tokens of character blocks per worker, ~2 MiB of hashes: a cap on memory. The index
@@ -49,8 +58,15 @@ class CacheAwarePolicy:
         prefix_blocks: int = DEFAULT_PREFIX_BLOCKS,
         footprint_weight: float = DEFAULT_FOOTPRINT_WEIGHT,
         backlog_weight: float = DEFAULT_BACKLOG_WEIGHT,
+        use_worker_capacity: bool = True,
+        home_weight: float = DEFAULT_HOME_WEIGHT,
     ) -> None:
         check_weights(block_credit, load_weight, footprint_weight, backlog_weight)
+        if not 0.0 <= home_weight < float("inf"):
+            raise ValueError(f"home_weight must be >= 0 and finite, got {home_weight}")
+        self.use_worker_capacity = use_worker_capacity
+        self.home_weight = home_weight
+        self._homes: OrderedDict[bytes, str] = OrderedDict()
         self.backlog_weight = backlog_weight
         self.footprint_weight = footprint_weight
         if max_blocks_per_worker < 1:
@@ -77,6 +93,8 @@ class CacheAwarePolicy:
             footprint=self.index_size,
             footprint_weight=self.footprint_weight,
             backlog_weight=self.backlog_weight,
+            home_of=self._homes.get,
+            home_weight=self.home_weight,
         )
 
     def observe(self, request: RouteRequest, worker_id: str) -> None:
@@ -89,6 +107,13 @@ class CacheAwarePolicy:
         elif index.capacity != capacity:
             index.resize(capacity)
         index.touch_chain(request.prefix_hashes)
+        if self.home_weight:
+            homes = self._homes
+            key = rendezvous_key(request.tenant, request.prefix_hashes, self.prefix_blocks)
+            homes[key] = worker_id
+            homes.move_to_end(key)
+            if len(homes) > MAX_HOMES:
+                homes.popitem(last=False)
 
     def set_worker_capacity(self, worker_id: str, kv_tokens: int) -> None:
         """The worker's KV cache holds `kv_tokens` tokens (its `vllm:cache_config_info`): from
@@ -112,7 +137,7 @@ class CacheAwarePolicy:
 
     def _capacity_blocks(self, worker_id: str, block_tokens: int) -> int:
         kv_tokens = self._capacity_tokens.get(worker_id)
-        if kv_tokens is None:
+        if kv_tokens is None or not self.use_worker_capacity:
             return self.max_blocks_per_worker
         return max(1, min(self.max_blocks_per_worker, kv_tokens // block_tokens))
 

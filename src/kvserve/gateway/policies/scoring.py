@@ -84,12 +84,16 @@ def score_route(
     footprint: Callable[[str], int] | None = None,
     footprint_weight: float = 0.0,
     backlog_weight: float = 0.0,
+    home_of: Callable[[bytes], str | None] | None = None,
+    home_weight: float = 0.0,
 ) -> RouteDecision:
     """Rank healthy workers by score (ties in the prefix's rendezvous order, so a prefix nobody
     caches lands where `prefix_hash` would put it) and choose the best. Branch: `hit_branch`
     when the chosen worker holds the longest cached prefix, SPILL when another holds more,
     LEAST_LOAD when none holds any. `num_matched(worker_id)` and `footprint(worker_id)` (blocks
-    the policy believes the worker caches) must not change any index."""
+    the policy believes the worker caches) must not change any index. `home_of(key)`: the
+    worker the prefix's key (its rendezvous key) was last sent to, if the policy remembers;
+    when nobody holds any of the prefix, that worker gets `home_weight` (in requests of load)."""
     # Invariant: the choice maximises the one continuous score; no branch is a separate rule.
     key = rendezvous_key(request.tenant, request.prefix_hashes, prefix_blocks)
     order = rendezvous_order(key, healthy)
@@ -98,6 +102,7 @@ def score_route(
     sizes = {w.worker_id: footprint(w.worker_id) if footprint and best == 0 else 0
              for w in order}
     fullest = max(sizes.values(), default=0) or 1
+    home = home_of(key) if home_of is not None and best == 0 and home_weight else None
 
     backlog_per_token = backlog_weight * block_credit / request.block_tokens  # a cached token's
 
@@ -105,7 +110,8 @@ def score_route(
         wid = worker.worker_id
         return (matched[wid] * block_credit - load_weight * worker.load
                 - backlog_per_token * worker.prefill_backlog_tokens
-                - footprint_weight * sizes[wid] / fullest)
+                - footprint_weight * sizes[wid] / fullest
+                + (home_weight if wid == home else 0.0))
 
     ranked = sorted(order, key=score, reverse=True)  # stable: ties keep the rendezvous order
     chosen = ranked[0].worker_id
