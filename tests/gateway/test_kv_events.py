@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 
-import httpx
 import pytest
 
 from kvserve.gateway.kv_events import EventFollower, apply_page
 from kvserve.gateway.policies import PrecisePolicy, RouteRequest
+from kvserve.gateway.upstream_http import UpstreamClient
 from kvserve.gateway.worker_pool import WorkerPool
 from tests.gateway.helpers import views
 
@@ -67,17 +69,30 @@ async def _follow_a_busy_worker() -> None:
     # A busy worker has a new event for every poll; the follower still batches them.
     seq = {"n": 0}
 
-    async def worker(request: httpx.Request) -> httpx.Response:
-        await asyncio.sleep(0)  # a real answer takes a trip through the event loop
-        seq["n"] += 1
-        event = {"type": "stored", "block_hashes": [bytes([seq["n"] % 256]).hex() * 32]}
-        return httpx.Response(200, json={"events": [event], "next_seq": seq["n"]})
+    async def worker(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            while True:  # keep-alive: one poll after another on this connection
+                head = await reader.readuntil(b"\r\n\r\n")
+                assert head.startswith(b"GET /kv/events?after=")
+                seq["n"] += 1
+                event = {"type": "stored", "block_hashes": [bytes([seq["n"] % 256]).hex() * 32]}
+                body = json.dumps({"events": [event], "next_seq": seq["n"]}).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+                await writer.drain()
+        writer.close()
 
+    server = await asyncio.start_server(worker, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
     policy = PrecisePolicy()
-    async with httpx.AsyncClient(transport=httpx.MockTransport(worker)) as client:
-        follower = EventFollower(WorkerPool(["http://w"]), policy, client, min_interval_s=0.1)
+    client = UpstreamClient()
+    try:
+        follower = EventFollower(WorkerPool([url]), policy, client, min_interval_s=0.1)
         follower.start()
         await asyncio.sleep(0.55)
         await follower.stop()
+    finally:
+        await client.aclose()
+        server.close()
     assert 4 <= follower.polls <= 7  # uncapped, this loop polls thousands of times
-    assert follower.applied == follower.polls and policy.num_cached_blocks("http://w") > 0
+    assert follower.applied == follower.polls and policy.num_cached_blocks(url) > 0

@@ -119,7 +119,7 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
     scraper = Scraper(pool, client, settings.scrape_interval_s, on_restart=policy.remove_worker,
                       on_capacity=(policy.set_worker_capacity
                                    if isinstance(policy, CapacityAware) else None))
-    follower = (EventFollower(pool, policy, client, settings.events_interval_s,
+    follower = (EventFollower(pool, policy, upstream_client, settings.events_interval_s,
                               settings.admin_key,
                               min_interval_s=settings.events_min_interval_s)
                 if isinstance(policy, PrecisePolicy) else None)

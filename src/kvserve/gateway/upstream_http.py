@@ -1,11 +1,12 @@
-"""A lean HTTP/1.1 client for the gateway's hot path: one POST upstream, its body streamed back.
+"""A lean HTTP/1.1 client for the gateway's hot path: one POST upstream, its body streamed back
+(and the GETs of `precise`'s KV-event long polls, several a second to every worker).
 
 Why not httpx here: its connection pool scans every pooled connection (polling each socket) on
 every request, so the gateway's cost per request grew with its concurrency; at 64 concurrent
 streams that scan was a third of the gateway's CPU. This client keeps a LIFO list of idle
 keep-alive connections per worker (O(1) to take or return one), parses with httptools (the
 parser uvicorn uses) and writes straight to the asyncio transport. httpx stays for everything
-that is not per request (scrapes, KV events, /v1/models).
+that is neither per request nor a KV-event poll (scrapes, /v1/models).
 
 Contracts:
 - `UpstreamClient.post` returns once the status line and headers arrived; the body is then read
@@ -223,6 +224,16 @@ class UpstreamClient:
     async def post(self, url: str, body: bytes, headers: Mapping[str, str],
                    read_timeout_s: float | None) -> UpstreamResponse:
         """POST `body` (JSON) to `url` and wait for the response's headers."""
+        return await self._request("POST", url, body, headers, read_timeout_s)
+
+    async def get(self, url: str, headers: Mapping[str, str],
+                  read_timeout_s: float | None) -> UpstreamResponse:
+        """GET `url` (query included) and wait for the response's headers."""
+        return await self._request("GET", url, None, headers, read_timeout_s)
+
+    async def _request(self, method: str, url: str, body: bytes | None,
+                       headers: Mapping[str, str],
+                       read_timeout_s: float | None) -> UpstreamResponse:
         parts = urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ConnectError(f"not an http(s) URL: {url!r}")
@@ -231,13 +242,14 @@ class UpstreamClient:
         target = parts.path or "/"
         if parts.query:
             target += f"?{parts.query}"
-        head = [f"POST {target} HTTP/1.1", f"Host: {parts.netloc}",
-                "Content-Type: application/json", f"Content-Length: {len(body)}"]
+        head = [f"{method} {target} HTTP/1.1", f"Host: {parts.netloc}"]
+        if body is not None:
+            head += ["Content-Type: application/json", f"Content-Length: {len(body)}"]
         for name, value in headers.items():
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
                 raise ValueError(f"header {name!r} contains a line break")
             head.append(f"{name}: {value}")
-        request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
+        request = ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + (body or b"")
         conn, reused = self._take_idle(key), True
         if conn is None:
             conn, reused = await self._connect(key), False
