@@ -18,8 +18,11 @@ from kvserve.gateway.policies import (
     CapacityAware,
     RouteRequest,
 )
+from kvserve.gateway.prefix import CHARS_PER_TOKEN
 from kvserve.gateway.scraper import Scraper, apply_metrics
+from kvserve.gateway.text_capacity import MIN_SAMPLES, TextCapacity
 from kvserve.gateway.worker_pool import WorkerPool, WorkerState
+from kvserve.model.demo_tokenizer import build_tokenizer
 from tests.gateway.helpers import request, views
 
 BLOCKS_PER_TENANT = 6  # 48 characters in the helper's 8-character blocks of 2 tokens
@@ -168,3 +171,37 @@ def test_the_capacity_and_the_home_are_options() -> None:
     assert policy.index_size("a") == BLOCKS_PER_TENANT  # not capped at two blocks
     with pytest.raises(ValueError, match="home_weight must be >= 0"):
         CacheAwarePolicy(home_weight=-1.0)
+
+
+class _Told:
+    """A CapacityAware policy that records what it is told."""
+
+    def __init__(self) -> None:
+        self.told: dict[str, int] = {}
+
+    def set_worker_capacity(self, worker_id: str, kv_tokens: int) -> None:
+        self.told[worker_id] = kv_tokens
+
+
+def test_text_keys_capacity_is_scaled_by_the_measured_characters_per_token() -> None:
+    told = _Told()
+    capacity = TextCapacity(told, every=2)
+    capacity.worker_capacity("a", 16_384)
+    assert told.told == {"a": 16_384}  # nothing measured yet: the assumed ratio
+    prompt = "the gateway routes each request to the worker holding its prefix " * 20
+    for _ in range(2 * MIN_SAMPLES):
+        capacity.sample(prompt)  # no tokenizer: nothing measured
+    assert capacity.samples == 0 and told.told == {"a": 16_384}
+    tokenizer = build_tokenizer(300)
+    capacity.tokenizer = tokenizer
+    measured = len(prompt) / len(tokenizer.encode(prompt, add_special_tokens=False).ids)
+    assert abs(measured - CHARS_PER_TOKEN) > 0.05 * CHARS_PER_TOKEN  # the test means something
+    for _ in range(2 * MIN_SAMPLES):
+        capacity.sample(prompt)  # one in two is tokenized
+    assert capacity.samples == MIN_SAMPLES
+    assert capacity.chars_per_token == pytest.approx(measured)
+    assert told.told == {"a": round(16_384 * measured / CHARS_PER_TOKEN)}  # re-told at once
+    capacity.worker_capacity("b", 1000)
+    assert told.told["b"] == round(1000 * measured / CHARS_PER_TOKEN)
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        TextCapacity(told, every=0)

@@ -3,13 +3,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
 
 from kvserve.gateway.tenancy import Tenancy
+from kvserve.gateway.text_capacity import DEFAULT_SAMPLE_EVERY
 from tests.gateway.conftest import SALT_SECRET, MakeClient
-from tests.gateway.processes import Process, wait_until
+from tests.gateway.processes import Process, running_gateway, wait_until
 
 RUN = {"ignore_eos": True}  # random weights: never let an early EOS shorten a test
 MESSAGES = [{"role": "user", "content": "Summarise the quarterly filing."}]
@@ -206,3 +209,19 @@ def test_workers_shows_each_workers_kv_capacity_from_its_own_metrics(
         capacities[worker.url] = int(labels["num_gpu_blocks"]) * int(labels["block_size"])
     shown = {w["url"]: w["kv_capacity_tokens"] for w in gateway.get("/workers").json()["workers"]}
     assert shown == capacities and min(shown.values()) > 0
+
+
+def test_cache_aware_measures_characters_per_token_with_the_workers_tokenizer(
+        fleet: list[Process], proc_logs: Path, make_client: MakeClient, model_name: str) -> None:
+    """Text keys assume 4 characters a token; the gateway tokenizes one prompt in 32 with the
+    tokenizer the workers' /v1/models names, to scale their capacity to what text keys count."""
+    with running_gateway([w.url for w in fleet], proc_logs,
+                         ["--policy", "cache_aware"]) as gateway:
+        client = make_client(gateway.url)
+        for i in range(DEFAULT_SAMPLE_EVERY):
+            client.completions.create(model=model_name, prompt=f"{LONG_PREFIX} question {i}",
+                                      max_tokens=1, extra_body=RUN)
+        state = gateway.get("/workers").json()
+    assert state["text_keys"]["tokenizer"] is True
+    assert state["text_keys"]["tokenized_samples"] == 1
+    assert all(w["kv_capacity_tokens"] > 0 for w in state["workers"])

@@ -15,6 +15,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from tokenizers import Tokenizer
 
 from kvserve.gateway.admission import Admission, Saturated
 from kvserve.gateway.forward import Forwarder, NoWorkerAvailable, Upstream
@@ -31,7 +32,8 @@ from kvserve.gateway.retry_budget import RetryBudget
 from kvserve.gateway.route_key import route_request_for
 from kvserve.gateway.scraper import Scraper
 from kvserve.gateway.tenancy import Tenancy
-from kvserve.gateway.token_keys import ExactKeys
+from kvserve.gateway.text_capacity import TextCapacity
+from kvserve.gateway.token_keys import ExactKeys, workers_model_dir
 from kvserve.gateway.upstream_http import UpstreamClient, UpstreamError
 from kvserve.gateway.worker_pool import WorkerPool
 
@@ -116,9 +118,9 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
                           settings.request_timeout_s, disagg, settings.admin_key)
     # A restarted worker caches nothing: the policy forgets what its index said it held.
     # An index that cannot see evictions holds no more than the worker's KV cache can.
+    capacity = TextCapacity(policy) if isinstance(policy, CapacityAware) else None
     scraper = Scraper(pool, client, settings.scrape_interval_s, on_restart=policy.remove_worker,
-                      on_capacity=(policy.set_worker_capacity
-                                   if isinstance(policy, CapacityAware) else None))
+                      on_capacity=capacity.worker_capacity if capacity is not None else None)
     follower = (EventFollower(pool, policy, upstream_client, settings.events_interval_s,
                               settings.admin_key,
                               min_interval_s=settings.events_min_interval_s)
@@ -129,6 +131,10 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
         await scraper.scrape_once()
         scraper.start()
         await keys.resolve(client, list(settings.workers))
+        if capacity is not None and keys.keyer is None:  # text keys: measure chars per token
+            root = await workers_model_dir(client, list(settings.workers))
+            if root is not None:
+                capacity.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
         if follower is not None:
             await follower.poll_once()
             follower.start()
@@ -168,6 +174,8 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
             route = route_request_for(path, body, salt, keys.keyer)
         except ValueError as exc:
             return _error(400, str(exc))
+        if capacity is not None and keys.keyer is None and isinstance(body.get("prompt"), str):
+            capacity.sample(body["prompt"])
         headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
         try:
             await admission.acquire()
@@ -242,8 +250,14 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
     @app.get("/workers")
     async def workers() -> dict[str, Any]:
         now = time.monotonic()
+        text_keys = capacity is not None and keys.keyer is None
         return {"policy": settings.policy,
-                "mode": "disaggregated" if disagg is not None else "unified", "workers": [
+                "mode": "disaggregated" if disagg is not None else "unified",
+                "text_keys": {"chars_per_token": capacity.chars_per_token,
+                              "tokenized_samples": capacity.samples,
+                              "tokenizer": capacity.tokenizer is not None}
+                if capacity is not None and text_keys else None,
+                "workers": [
             {"url": w.url, "role": w.role, "healthy": w.view(now).healthy,
              "in_flight": w.in_flight, "prefill_backlog_tokens": w.prefill_backlog_tokens,
              "num_running": w.num_running, "num_waiting": w.num_waiting,

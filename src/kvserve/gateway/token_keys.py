@@ -81,13 +81,21 @@ class ExactKeys:
     async def resolve(self, client: httpx.AsyncClient, workers: list[str]) -> None:
         if self.keyer is not None or not self.wanted:
             return
-        for url in workers:
-            try:
-                resp = await client.get(f"{url}/v1/models", timeout=5.0)
-                root = resp.json()["data"][0].get("root")
-            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
-                continue
-            if root and (Path(root) / "tokenizer.json").is_file():
-                self.keyer = TokenKeyer(root, self.block_size)
-                self.source = root
-                return
+        root = await workers_model_dir(client, workers)
+        if root is not None:
+            self.keyer = TokenKeyer(root, self.block_size)
+            self.source = str(root)
+
+
+async def workers_model_dir(client: httpx.AsyncClient, workers: list[str]) -> Path | None:
+    """The first worker's model directory (/v1/models "root", as vLLM and kvserve report it)
+    that is a local directory with a tokenizer.json; None when no worker names one."""
+    for url in workers:
+        try:
+            resp = await client.get(f"{url}/v1/models", timeout=5.0)
+            root = resp.json()["data"][0].get("root")
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            continue
+        if root and (Path(root) / "tokenizer.json").is_file():
+            return Path(root)
+    return None
