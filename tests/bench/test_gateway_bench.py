@@ -104,27 +104,29 @@ def test_router_specs_are_checked() -> None:
     for bad in ("nginx:rr", "kvserve", "kvserve:"):
         with pytest.raises(ValueError, match="KIND:POLICY"):
             RouterSpec.parse(bad)
-    variant = RouterSpec.parse("kvserve:cache_aware@backlog_weight=0@load_weight=2")
-    assert variant.label == "kvserve:cache_aware@backlog_weight=0@load_weight=2"
-    assert variant.gateway_args == ["--policy-option=backlog_weight=0",
-                                    "--policy-option=load_weight=2"]
-    with pytest.raises(ValueError, match="kvserve policies only"):
-        RouterSpec.parse("sglang:cache_aware@x=1")
-    with pytest.raises(ValueError, match="KEY=VALUE"):
-        RouterSpec.parse("kvserve:cache_aware@backlog_weight")
 
 
-def test_router_specs_carry_gateway_flags_checked_against_the_gateways_parser() -> None:
-    variant = RouterSpec.parse("kvserve:precise@backlog_weight=0@--kv-events-min-interval=0.5")
-    assert variant.label == "kvserve:precise@backlog_weight=0@--kv-events-min-interval=0.5"
-    assert variant.gateway_args == ["--policy-option=backlog_weight=0",
-                                    "--kv-events-min-interval=0.5"]
-    with pytest.raises(ValueError, match="no flag '--no-such-flag=1'"):
-        RouterSpec.parse("kvserve:precise@--no-such-flag=1")
-    with pytest.raises(ValueError, match="invalid float value"):
-        RouterSpec.parse("kvserve:precise@--kv-events-min-interval=soon")
-    with pytest.raises(ValueError, match="kvserve policies only"):
-        RouterSpec.parse("sglang:cache_aware@--kv-events-min-interval=0.5")
+@pytest.mark.parametrize(("spec", "args"), [
+    ("kvserve:cache_aware@backlog_weight=0@load_weight=2",
+     ["--policy-option=backlog_weight=0", "--policy-option=load_weight=2"]),
+    ("kvserve:precise@backlog_weight=0@--kv-events-min-interval=0.5",
+     ["--policy-option=backlog_weight=0", "--kv-events-min-interval=0.5"]),
+])
+def test_router_specs_carry_policy_options_and_gateway_flags(spec: str, args: list[str]) -> None:
+    variant = RouterSpec.parse(spec)
+    assert (variant.label, variant.gateway_args) == (spec, args)
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("sglang:cache_aware@x=1", "kvserve policies only"),
+    ("sglang:cache_aware@--kv-events-min-interval=0.5", "kvserve policies only"),
+    ("kvserve:cache_aware@backlog_weight", "KEY=VALUE"),
+    ("kvserve:precise@--no-such-flag=1", "no flag '--no-such-flag=1'"),  # the gateway's parser
+    ("kvserve:precise@--kv-events-min-interval=soon", "invalid float value"),
+])
+def test_bad_router_specs_are_refused_before_any_process(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        RouterSpec.parse(spec)
 
 
 def test_worker_args_reach_the_workers_command_and_refuse_calibration(tmp_path: Path) -> None:
