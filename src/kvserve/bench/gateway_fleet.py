@@ -56,11 +56,9 @@ class RouterSpec:
         if text == IDEAL:
             return cls(IDEAL)
         kind, _, rest = text.partition(":")
-        name, *parts = rest.split("@")
+        policy, parts = split_policy_spec(rest)  # a malformed one fails before any process
         flags = tuple(p for p in parts if p.startswith("--"))
-        # A malformed option fails here, before any process starts.
-        policy, options = split_policy_spec("@".join(
-            [name, *(p for p in parts if not p.startswith("--"))]))
+        options = tuple(p for p in parts if not p.startswith("--"))
         if kind not in ROUTER_KINDS or not policy:
             raise ValueError(f"router {text!r}: use 'ideal' or KIND:POLICY with KIND one of "
                              f"{', '.join(ROUTER_KINDS)} (e.g. kvserve:prefix_hash, "
@@ -69,7 +67,7 @@ class RouterSpec:
         if (options or flags) and kind != KVSERVE_GATEWAY:
             raise ValueError(f"router {text!r}: @KEY=VALUE options and @--flag=VALUE gateway "
                              "flags are for kvserve policies only")
-        return cls(kind, policy, tuple(options), flags)
+        return cls(kind, policy, options, flags)
 
     @property
     def label(self) -> str:

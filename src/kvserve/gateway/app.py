@@ -250,14 +250,14 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
     @app.get("/workers")
     async def workers() -> dict[str, Any]:
         now = time.monotonic()
-        text_keys = capacity is not None and keys.keyer is None
+        text_keys = None
+        if capacity is not None and keys.keyer is None:
+            text_keys = {"chars_per_token": capacity.chars_per_token,
+                         "tokenized_samples": capacity.samples,
+                         "tokenizer": capacity.tokenizer is not None}
         return {"policy": settings.policy,
                 "mode": "disaggregated" if disagg is not None else "unified",
-                "text_keys": {"chars_per_token": capacity.chars_per_token,
-                              "tokenized_samples": capacity.samples,
-                              "tokenizer": capacity.tokenizer is not None}
-                if capacity is not None and text_keys else None,
-                "workers": [
+                "text_keys": text_keys, "workers": [
             {"url": w.url, "role": w.role, "healthy": w.view(now).healthy,
              "in_flight": w.in_flight, "prefill_backlog_tokens": w.prefill_backlog_tokens,
              "num_running": w.num_running, "num_waiting": w.num_waiting,
