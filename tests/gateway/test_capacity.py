@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 
 from kvserve.gateway.policies import (
@@ -21,9 +20,11 @@ from kvserve.gateway.policies import (
 from kvserve.gateway.prefix import CHARS_PER_TOKEN
 from kvserve.gateway.scraper import Scraper, apply_metrics
 from kvserve.gateway.text_capacity import MIN_SAMPLES, TextCapacity
+from kvserve.gateway.upstream_http import UpstreamClient
 from kvserve.gateway.worker_pool import WorkerPool, WorkerState
 from kvserve.model.demo_tokenizer import build_tokenizer
 from tests.gateway.helpers import request, views
+from tests.gateway.loopback import loopback_workers
 
 BLOCKS_PER_TENANT = 6  # 48 characters in the helper's 8-character blocks of 2 tokens
 
@@ -116,28 +117,28 @@ def test_the_capacity_is_read_from_the_cache_config_info_labels() -> None:
 
 
 def test_the_scraper_tells_the_policy_each_new_capacity_once() -> None:
-    blocks = {"http://a": "512", "http://b": "256"}
+    asyncio.run(_tell_each_new_capacity_once())
 
-    def handler(req: httpx.Request) -> httpx.Response:
-        if req.url.path == "/health":
-            return httpx.Response(200)
-        return httpx.Response(200, text=cache_config(blocks[f"http://{req.url.host}"]))
+
+async def _tell_each_new_capacity_once() -> None:
+    blocks: dict[str, str] = {}
+
+    def answer(url: str, path: str) -> tuple[int, str]:
+        return (200, "ok") if path == "/health" else (200, cache_config(blocks[url]))
 
     told: list[tuple[str, int]] = []
-    pool = WorkerPool(["http://a", "http://b"])
-
-    async def scenario() -> None:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-            scraper = Scraper(pool, client,
-                              on_capacity=lambda url, tokens: told.append((url, tokens)))
-            await scraper.scrape_once()
-            await scraper.scrape_once()  # unchanged: not told again
-            blocks["http://b"] = "128"  # b restarted with a smaller cache
-            await scraper.scrape_once()
-
-    asyncio.run(scenario())
-    assert sorted(told[:2]) == [("http://a", 512 * 16), ("http://b", 256 * 16)]
-    assert told[2:] == [("http://b", 128 * 16)]
+    client = UpstreamClient()
+    async with loopback_workers(2, answer) as (a, b):
+        blocks.update({a: "512", b: "256"})
+        scraper = Scraper(WorkerPool([a, b]), client,
+                          on_capacity=lambda url, tokens: told.append((url, tokens)))
+        await scraper.scrape_once()
+        await scraper.scrape_once()  # unchanged: not told again
+        blocks[b] = "128"  # b restarted with a smaller cache
+        await scraper.scrape_once()
+        await client.aclose()
+    assert sorted(told[:2]) == sorted([(a, 512 * 16), (b, 256 * 16)])
+    assert told[2:] == [(b, 128 * 16)]
 
 
 def _full_pair(policy: CacheAwarePolicy) -> list[RouteRequest]:

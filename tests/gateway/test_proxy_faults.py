@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from tests.gateway.conftest import MakeClient
+from tests.gateway.loopback import StalledWorker
 from tests.gateway.processes import (
     Process,
     free_port,
@@ -202,3 +203,33 @@ def test_health_is_503_and_requests_fail_cleanly_when_every_worker_is_down(
                             json={"prompt": "anyone there?", "max_tokens": 2})
         assert answer.status_code == 503 and answer.headers["retry-after"]
         assert set(answer.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_client_that_gives_up_before_the_first_token_cancels_the_upstream_request(
+        proc_logs: Path) -> None:
+    """A client that times out while its request waits at the worker (queued, or in prefill)
+    must not leave it there: a retry storm would have the worker compute every abandoned
+    prompt. The gateway closes the upstream connection, which a worker sees as an abort."""
+    # One admission slot: each request after the first gets it only if the one before gave
+    # it back (else it waits out the queue timeout and is answered 429).
+    flags = ["--max-in-flight", "1", "--queue-timeout", "0.5"]
+    with StalledWorker() as worker, running_gateway([worker.url], proc_logs, flags) as gateway:
+        for stream in (True, False, True):
+            posts = worker.posts
+            body = {"prompt": "hello", "max_tokens": 4, "stream": stream}
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{gateway.url}/v1/completions", json=body, timeout=1.0)
+            gave_up = time.monotonic()
+            assert worker.posts == posts + 1  # it reached the worker, which never answered
+            wait_until(lambda: len(worker.closed_at) == worker.posts, 5.0,
+                       "the gateway to close the upstream request")
+            assert worker.closed_at[-1] - gave_up < 5.0
+            wait_until(lambda: set(_in_flight(gateway).values()) == {0}, 5.0,
+                       "the gateway's in-flight count to return to 0",
+                       lambda: _in_flight(gateway))
+
+
+def test_a_proxied_route_takes_only_post(gateway: Process) -> None:
+    answer = httpx.get(f"{gateway.url}/v1/completions", timeout=10.0)
+    assert answer.status_code == 405 and answer.headers["allow"] == "POST"
+    assert "takes POST" in answer.json()["error"]["message"]

@@ -121,6 +121,60 @@ def test_a_chunked_stream_arrives_piece_by_piece_not_buffered() -> None:
     run(main)
 
 
+def test_pieces_that_arrived_together_come_out_as_one_in_order() -> None:
+    """A relay writes what it reads: pieces already buffered are joined, so a busy gateway
+    makes one write downstream per wake-up, not one per token."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n"
+                     + b"".join(b"3\r\nt%02d\r\n" % i for i in range(20)) + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async def main() -> None:
+        async with Server(handler) as server:
+            client = UpstreamClient()
+            response = await client.post(server.url, b"{}", {}, 5.0)
+            await asyncio.sleep(0.2)  # all twenty pieces are in the buffer by now
+            pieces = [c async for c in response.aiter_raw()]
+            assert b"".join(pieces) == b"".join(b"t%02d" % i for i in range(20))
+            assert len(pieces) < 20, pieces
+            await client.aclose()
+
+    run(main)
+
+
+def test_a_stream_silent_past_the_read_timeout_is_a_read_timeout() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                     b"Transfer-Encoding: chunked\r\n\r\n6\r\ndata: \r\n")
+        await writer.drain()
+        server.requests.append(await reader.read())  # then nothing, until the client closes
+
+    async def main() -> None:
+        async with server:
+            client = UpstreamClient()
+            response = await client.post(server.url, b"{}", {}, 0.3)
+            chunks = response.aiter_raw()
+            assert await chunks.__anext__() == b"data: "
+            started = asyncio.get_running_loop().time()
+            with pytest.raises(ReadTimeout, match=r"no data from the worker for 0\.3s"):
+                await chunks.__anext__()
+            assert 0.25 < asyncio.get_running_loop().time() - started < 3.0
+            await response.aclose()  # a timed-out exchange is not reused: its socket closes
+            for _ in range(100):
+                if server.requests:
+                    break
+                await asyncio.sleep(0.02)
+            assert server.requests == [b""]
+            await client.aclose()
+
+    server = Server(handler)
+    run(main)
+
+
 def test_an_idle_connection_the_worker_closed_is_replaced_not_failed() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, _: int) -> None:
         await read_request(reader)

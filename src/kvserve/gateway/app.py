@@ -1,10 +1,9 @@
-"""The gateway's HTTP face: OpenAI routes proxied to the chosen worker, plus /health, /metrics
-and /workers. Stateless across replicas: the routing policy needs no shared state."""
+"""The gateway's HTTP face: OpenAI routes proxied to the chosen worker (`proxy_endpoint`, on
+plain ASGI), plus /v1/models, /health, /metrics and /workers (FastAPI). Stateless across
+replicas: the routing policy needs no shared state."""
 
 from __future__ import annotations
 
-import json
-import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -12,32 +11,36 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenizers import Tokenizer
 
-from kvserve.gateway.admission import Admission, Saturated
-from kvserve.gateway.forward import Forwarder, NoWorkerAvailable, Upstream
+from kvserve.gateway.admission import Admission
+from kvserve.gateway.forward import Forwarder
 from kvserve.gateway.kv_events import DEFAULT_MIN_POLL_INTERVAL_S, EventFollower
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import (
     CapacityAware,
     DisaggregatedRouter,
-    NoHealthyWorker,
     PrecisePolicy,
     make_policy,
 )
+from kvserve.gateway.proxy_endpoint import (
+    PROXIED_PATHS,
+    ProxyEndpoint,
+    Receive,
+    Scope,
+    Send,
+    error_body,
+)
 from kvserve.gateway.retry_budget import RetryBudget
-from kvserve.gateway.route_key import route_request_for
 from kvserve.gateway.scraper import Scraper
 from kvserve.gateway.tenancy import Tenancy
 from kvserve.gateway.text_capacity import TextCapacity
 from kvserve.gateway.token_keys import ExactKeys, workers_model_dir
-from kvserve.gateway.upstream_http import UpstreamClient, UpstreamError
+from kvserve.gateway.upstream_http import UpstreamClient
 from kvserve.gateway.worker_pool import WorkerPool
-
-FORWARDED_HEADERS = ("x-request-id", "authorization")
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,31 +74,26 @@ class GatewaySettings:
         return bool(self.prefill_workers or self.decode_workers)
 
 
-def _error(status: int, message: str, err_type: str = "invalid_request_error",
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": err_type, "param": None,
-                                   "code": status}}, status_code=status, headers=headers)
+class GatewayApp:
+    """The gateway's ASGI application: the proxied routes straight to `proxy`, everything else
+    (lifespan included) to `app`."""
+
+    def __init__(self, proxy: ProxyEndpoint, app: FastAPI) -> None:
+        self.proxy = proxy
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in PROXIED_PATHS:
+            await self.proxy(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
 
 
-def _parse_json(raw: bytes) -> Any:
-    """Strict JSON: NaN, Infinity and overflowing floats are refused here (the gateway could not
-    forward them as JSON), and so is nesting too deep to parse; each raises ValueError."""
-    def finite(text: str) -> float:
-        value = float(text)
-        if not math.isfinite(value):
-            raise ValueError(f"number {text} is out of range")
-        return value
-
-    def constant(name: str) -> float:
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        return json.loads(raw, parse_float=finite, parse_constant=constant)
-    except RecursionError:
-        raise ValueError("the JSON is nested too deeply") from None
+def _error(status: int, message: str, err_type: str = "invalid_request_error") -> Response:
+    return Response(error_body(status, message, err_type), status, media_type="application/json")
 
 
-def create_gateway(settings: GatewaySettings) -> FastAPI:
+def create_gateway(settings: GatewaySettings) -> GatewayApp:
     pool = WorkerPool(list(settings.workers))
     policy = make_policy(settings.policy, **dict(settings.policy_options))
     disagg = None
@@ -119,7 +117,8 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
     # A restarted worker caches nothing: the policy forgets what its index said it held.
     # An index that cannot see evictions holds no more than the worker's KV cache can.
     capacity = TextCapacity(policy) if isinstance(policy, CapacityAware) else None
-    scraper = Scraper(pool, client, settings.scrape_interval_s, on_restart=policy.remove_worker,
+    scraper = Scraper(pool, upstream_client, settings.scrape_interval_s,
+                      on_restart=policy.remove_worker,
                       on_capacity=capacity.worker_capacity if capacity is not None else None)
     follower = (EventFollower(pool, policy, upstream_client, settings.events_interval_s,
                               settings.admin_key,
@@ -146,82 +145,6 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
         await upstream_client.aclose()
 
     app = FastAPI(title="kvserve gateway", lifespan=lifespan)
-
-    async def proxy(request: Request, path: str) -> Response:
-        response = await _proxy(request, path)
-        request_id = request.headers.get("x-request-id")
-        if request_id:  # echoed, as the workers do, so callers can correlate
-            response.headers["x-request-id"] = request_id
-        return response
-
-    async def _proxy(request: Request, path: str) -> Response:
-        started = time.monotonic()
-        raw = await request.body()
-        if len(raw) > settings.max_body_bytes:
-            return _error(413, f"request body exceeds {settings.max_body_bytes} bytes")
-        try:
-            body = _parse_json(raw)
-        except ValueError as exc:  # UnicodeDecodeError included
-            return _error(400, f"the request body is not valid JSON ({exc}): send a JSON object "
-                          "(UTF-8)")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object")
-        _, salt = settings.tenancy.resolve(request.headers)
-        body.pop("cache_salt", None)  # never trust a client's salt
-        if salt is not None:
-            body["cache_salt"] = salt
-        try:
-            route = route_request_for(path, body, salt, keys.keyer)
-        except ValueError as exc:
-            return _error(400, str(exc))
-        if capacity is not None and keys.keyer is None and isinstance(body.get("prompt"), str):
-            capacity.sample(body["prompt"])
-        headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
-        try:
-            await admission.acquire()
-        except Saturated as exc:
-            metrics.rejections.labels(exc.reason).inc()
-            return _error(429, f"the fleet is saturated ({exc.reason}); retry after "
-                          f"{exc.retry_after_s}s", "rate_limit_error",
-                          {"Retry-After": str(exc.retry_after_s)})
-        try:
-            upstream = await forwarder.open(path, body, headers, route, started)
-        except NoHealthyWorker as exc:
-            admission.release()
-            metrics.rejections.labels("no_healthy_worker").inc()
-            return _error(503, f"no healthy worker: {exc}", "service_unavailable",
-                          {"Retry-After": "1"})
-        except NoWorkerAvailable as exc:
-            admission.release()
-            metrics.rejections.labels(f"upstream_{exc.status}").inc()
-            if exc.body is not None:
-                extra = {"Retry-After": exc.retry_after} if exc.retry_after else None
-                return Response(exc.body, exc.status, headers=extra,
-                                media_type="application/json")
-            return _error(503, str(exc), "service_unavailable", {"Retry-After": "1"})
-        except BaseException:
-            admission.release()
-            raise
-        content_type = upstream.response.headers.get("content-type", "application/json")
-        if not content_type.startswith("text/event-stream"):
-            try:
-                content = await upstream.read()
-            except UpstreamError as exc:
-                return _error(502, f"worker {upstream.worker_url} failed mid-response: "
-                              f"{type(exc).__name__}", "upstream_error")
-            finally:
-                admission.release()
-            return Response(content, upstream.response.status_code, media_type=content_type)
-        return StreamingResponse(_relay(upstream, admission), upstream.response.status_code,
-                                 media_type=content_type)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await proxy(request, "/v1/completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await proxy(request, "/v1/chat/completions")
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -268,20 +191,7 @@ def create_gateway(settings: GatewaySettings) -> FastAPI:
              "ejected_for_s": max(0.0, w.ejected_until - now), "last_error": w.last_error}
             for w in pool.workers.values()]}
 
-    return app
+    proxy = ProxyEndpoint(forwarder, admission, metrics, settings.tenancy, keys, capacity,
+                          settings.max_body_bytes)
+    return GatewayApp(proxy, app)
 
-
-async def _relay(upstream: Upstream, admission: Admission) -> AsyncIterator[bytes]:
-    """Pass an SSE stream through. If the worker dies mid-stream the client gets an error event
-    and the end marker, never a hang; if the client leaves, the upstream is closed."""
-    try:
-        async for chunk in upstream.iter_raw():
-            yield chunk
-    except UpstreamError as exc:
-        error = {"error": {"message": f"worker {upstream.worker_url} failed mid-stream "
-                           f"({type(exc).__name__}); retry the request", "type": "upstream_error",
-                           "param": None, "code": 502}}
-        yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
-    finally:
-        await upstream.close()
-        admission.release()

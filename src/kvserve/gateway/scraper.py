@@ -3,21 +3,25 @@
 Reads the vLLM-named series every OpenAI-compatible worker we front exports (kvserve's and
 vLLM's; SGLang's under its own names where they differ), so the policies see queue depth and KV
 usage with at most one interval of staleness.
+
+A worker's exposition runs to hundreds of lines (histograms, per-reason counters) of which the
+gateway needs seven series: `read_series` looks only at the lines that name one, instead of
+parsing every family (prometheus_client's parser took 2.5 ms of the gateway's CPU per scrape
+of a kvserve worker, this 0.1 ms).
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Callable
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
 from kvserve.gateway.periodic import Periodic
+from kvserve.gateway.upstream_http import UpstreamClient, UpstreamError
 from kvserve.gateway.worker_pool import WorkerPool, WorkerState
 
-# metric family name (as the parser reports it) -> WorkerState field
+# series name (a counter's `_total` sample counts too) -> WorkerState field
 _SERIES = {
     "vllm:num_requests_running": "num_running",
     "vllm:num_requests_waiting": "num_waiting",
@@ -30,6 +34,9 @@ _SERIES = {
 }
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 """kvserve's and vLLM's KV configuration, in labels: capacity = num_gpu_blocks x block_size."""
+_WANTED = (*_SERIES, CACHE_CONFIG_INFO)
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+SCRAPE_TIMEOUT_S = 2.0
 
 
 def _capacity_from_info(labels: dict[str, str]) -> int | None:
@@ -41,25 +48,55 @@ def _capacity_from_info(labels: dict[str, str]) -> int | None:
     return int(blocks) * int(block_size) or None
 
 
+def _sample(line: str) -> tuple[str, str, float] | None:
+    """(name, label text, value) of one exposition line, None for a line that is not a sample
+    (the value may be followed by a timestamp)."""
+    brace = line.find("{")
+    if brace >= 0:
+        close = line.rfind("}")
+        if close < brace:
+            return None
+        name, labels, rest = line[:brace], line[brace + 1:close], line[close + 1:]
+    else:
+        name, _, rest = line.partition(" ")
+        labels = ""
+    fields = rest.split()
+    if not fields:
+        return None
+    try:
+        return name.strip(), labels, float(fields[0])
+    except ValueError:
+        return None
+
+
+def read_series(text: str) -> dict[str, float]:
+    """The series the gateway reads, summed over label sets, by WorkerState field; the KV
+    capacity from cache_config_info's labels (or SGLang's gauge). A series the text lacks is
+    absent. Lines that name no wanted series are skipped without being parsed."""
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(_WANTED):
+            continue
+        sample = _sample(line)
+        if sample is None:
+            continue
+        name, labels, value = sample
+        if name == CACHE_CONFIG_INFO:
+            capacity = _capacity_from_info(dict(_LABEL.findall(labels)))
+            if capacity is not None:
+                totals["kv_capacity_tokens"] = totals.get("kv_capacity_tokens", 0.0) + capacity
+            continue
+        field = _SERIES.get(name.removesuffix("_total"))
+        if field is not None:
+            totals[field] = totals.get(field, 0.0) + value
+    return totals
+
+
 def apply_metrics(worker: WorkerState, text: str) -> bool:
     """Update `worker` from a Prometheus text exposition (sums over label sets). Returns True
     when the worker restarted since the last scrape: its prefix-cache query counter went
     down, which a counter does only in a new process (whose cache starts empty)."""
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name == CACHE_CONFIG_INFO:
-            capacities = [_capacity_from_info(s.labels) for s in family.samples]
-            known = [c for c in capacities if c is not None]
-            if known:
-                totals["kv_capacity_tokens"] = float(sum(known))
-            continue
-        field = _SERIES.get(family.name)
-        if field is None:
-            continue
-        for sample in family.samples:
-            if sample.name.endswith(("_created", "_bucket", "_sum", "_count")):
-                continue
-            totals[field] = totals.get(field, 0.0) + sample.value
+    totals = read_series(text)
     worker.num_running = int(totals.get("num_running", worker.num_running))
     worker.num_waiting = int(totals.get("num_waiting", worker.num_waiting))
     worker.kv_usage = totals.get("kv_usage", worker.kv_usage)
@@ -71,6 +108,13 @@ def apply_metrics(worker: WorkerState, text: str) -> bool:
     return restarted
 
 
+async def _get(client: UpstreamClient, url: str) -> tuple[int, bytes]:
+    """Status and body of a GET, both within SCRAPE_TIMEOUT_S."""
+    async with asyncio.timeout(SCRAPE_TIMEOUT_S):
+        response = await client.get(url, {}, SCRAPE_TIMEOUT_S)
+        return response.status_code, await response.aread()
+
+
 class Scraper(Periodic):
     """Polls every worker; runs as one background task on the gateway's event loop. A worker
     seen restarted (`apply_metrics`) is reported to `on_restart(url)`: a routing policy's index
@@ -78,7 +122,7 @@ class Scraper(Periodic):
     and whenever it changes, goes to `on_capacity(url, tokens)`: how much a policy's index of it
     may hold."""
 
-    def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, interval_s: float = 1.0,
+    def __init__(self, pool: WorkerPool, client: UpstreamClient, interval_s: float = 1.0,
                  on_restart: Callable[[str], None] | None = None,
                  on_capacity: Callable[[str, int], None] | None = None):
         self.pool = pool
@@ -95,20 +139,27 @@ class Scraper(Periodic):
     async def _scrape(self, worker: WorkerState) -> None:
         now = time.monotonic()
         try:
-            health = await self.client.get(f"{worker.url}/health", timeout=2.0)
-            ok = health.status_code == 200
-            error = None if ok else f"/health answered {health.status_code}"
-            self.pool.record_health(worker.url, ok, now, error)
-            if ok:
-                metrics = await self.client.get(f"{worker.url}/metrics", timeout=2.0)
-                if metrics.status_code == 200:
-                    capacity = worker.kv_capacity_tokens
-                    restarted = apply_metrics(worker, metrics.text)
-                    worker.last_scrape = now
-                    if restarted and self.on_restart is not None:
-                        self.on_restart(worker.url)
-                    if (worker.kv_capacity_tokens != capacity and worker.kv_capacity_tokens > 0
-                            and self.on_capacity is not None):
-                        self.on_capacity(worker.url, worker.kv_capacity_tokens)
-        except (httpx.HTTPError, ValueError) as exc:
+            status, _ = await _get(self.client, f"{worker.url}/health")
+            ok = status == 200
+            self.pool.record_health(worker.url, ok, now,
+                                    None if ok else f"/health answered {status}")
+            if not ok:
+                return
+            status, body = await _get(self.client, f"{worker.url}/metrics")
+        except TimeoutError:
+            self.pool.record_health(worker.url, False, now,
+                                    f"ReadTimeout: no answer in {SCRAPE_TIMEOUT_S}s")
+            return
+        except UpstreamError as exc:
             self.pool.record_health(worker.url, False, now, f"{type(exc).__name__}: {exc}")
+            return
+        if status != 200:
+            return
+        capacity = worker.kv_capacity_tokens
+        restarted = apply_metrics(worker, body.decode("utf-8", "replace"))
+        worker.last_scrape = now
+        if restarted and self.on_restart is not None:
+            self.on_restart(worker.url)
+        if (worker.kv_capacity_tokens != capacity and worker.kv_capacity_tokens > 0
+                and self.on_capacity is not None):
+            self.on_capacity(worker.url, worker.kv_capacity_tokens)

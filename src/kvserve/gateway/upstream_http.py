@@ -149,30 +149,47 @@ class _Connection(asyncio.Protocol):
             self.waiter.set_result(None)
 
     async def next_chunk(self, timeout: float | None) -> bytes | None:
-        """The next piece of the body, or None at its end. Raises the exchange's error."""
+        """The body's bytes that arrived since the last call (all of them, joined: one write
+        downstream instead of one per piece), or None at its end. Raises the exchange's error,
+        or ReadTimeout after `timeout` seconds without data."""
         while not self.chunks:
             if self.complete:
                 return None
             if self.error is not None:
                 raise self.error
-            self.waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            waiter = self.waiter = loop.create_future()
+            # A timer, not asyncio.wait_for: this runs once per streamed token, and wait_for
+            # costs a task's worth of futures and callbacks each time.
+            timer = (loop.call_later(timeout, _expire, waiter, timeout)
+                     if timeout is not None else None)
             try:
-                await asyncio.wait_for(self.waiter, timeout)
-            except TimeoutError:
-                raise ReadTimeout(f"no data from the worker for {timeout}s") from None
+                await waiter
             finally:
                 self.waiter = None
-        chunk = self.chunks.popleft()
+                if timer is not None:
+                    timer.cancel()
+        chunk = self.chunks.popleft() if len(self.chunks) == 1 else self._take_all()
         self.buffered -= len(chunk)
         if self.paused and self.buffered <= MAX_BUFFERED_BYTES // 2 and self.transport:
             self.paused = False
             self.transport.resume_reading()
         return chunk
 
+    def _take_all(self) -> bytes:
+        chunk = b"".join(self.chunks)
+        self.chunks.clear()
+        return chunk
+
     def close(self) -> None:
         self.closed = True
         if self.transport is not None:
             self.transport.close()
+
+
+def _expire(waiter: asyncio.Future[None], timeout: float) -> None:
+    if not waiter.done():
+        waiter.set_exception(ReadTimeout(f"no data from the worker for {timeout}s"))
 
 
 class UpstreamResponse:

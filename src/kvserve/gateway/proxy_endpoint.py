@@ -1,0 +1,273 @@
+"""The proxied OpenAI routes (`POST /v1/completions`, `/v1/chat/completions`), served on plain
+ASGI: every request the fleet serves passes here, so it skips the web framework's routing,
+middleware and per-response task group, which cost the gateway more CPU than the routing
+itself (the other routes stay on FastAPI, `app.py`).
+
+Contract, per request:
+- bad input is a 4xx from the gateway itself (413 past `max_body_bytes`, 400 for JSON that is
+  not an object, 405 for another method), and reaches no worker;
+- a client that leaves at any point, queued for admission, waiting for the first token or
+  mid-stream, cancels the request: the upstream connection closes, so the worker aborts it and
+  frees its blocks, and the admission slot is returned;
+- a worker that fails mid-stream gives the client an error event and the end marker, never a
+  hang; `x-request-id` is echoed on every answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.gateway.admission import Admission, Saturated
+from kvserve.gateway.forward import Forwarder, NoWorkerAvailable, Upstream
+from kvserve.gateway.metrics import GatewayMetrics
+from kvserve.gateway.policies import NoHealthyWorker
+from kvserve.gateway.route_key import route_request_for
+from kvserve.gateway.tenancy import Tenancy
+from kvserve.gateway.text_capacity import TextCapacity
+from kvserve.gateway.token_keys import ExactKeys
+from kvserve.gateway.upstream_http import UpstreamError
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+FORWARDED_HEADERS = ("x-request-id", "authorization")
+JSON = b"application/json"
+
+
+def error_body(status: int, message: str, err_type: str = "invalid_request_error") -> bytes:
+    """An OpenAI-style error object."""
+    return json.dumps({"error": {"message": message, "type": err_type, "param": None,
+                                 "code": status}}).encode()
+
+
+def parse_json(raw: bytes) -> Any:
+    """Strict JSON: NaN, Infinity and overflowing floats are refused here (the gateway could not
+    forward them as JSON), and so is nesting too deep to parse; each raises ValueError."""
+    def finite(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise ValueError(f"number {text} is out of range")
+        return value
+
+    def constant(name: str) -> float:
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        return json.loads(raw, parse_float=finite, parse_constant=constant)
+    except RecursionError:
+        raise ValueError("the JSON is nested too deeply") from None
+
+
+@dataclass(slots=True)
+class _Reply:
+    """A whole answer the gateway gives itself (an error, or a worker's non-streamed body)."""
+
+    status: int
+    body: bytes
+    content_type: bytes = JSON
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def _error(status: int, message: str, err_type: str = "invalid_request_error",
+           retry_after: str | None = None) -> _Reply:
+    extra = ((b"retry-after", retry_after.encode()),) if retry_after else ()
+    return _Reply(status, error_body(status, message, err_type), JSON, extra)
+
+
+class _ClientWatch:
+    """Cancels the request's task when the client disconnects, until `done()`. The server's
+    `receive` also reports a disconnect once the response is complete, so the task must call
+    `done()` without suspending after its last send (it does: `ProxyEndpoint._serve`)."""
+
+    def __init__(self, receive: Receive) -> None:
+        self.left = False
+        self._active = True
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if self._active and self._task is not None:
+            self.left = True
+            self._task.cancel()
+
+    def done(self) -> None:
+        self._active = False
+        self._watcher.cancel()
+
+
+class ProxyEndpoint:
+    """Serves the proxied routes for one gateway; `__call__` is an ASGI application for an
+    HTTP scope whose path is in PROXIED_PATHS."""
+
+    def __init__(self, forwarder: Forwarder, admission: Admission, metrics: GatewayMetrics,
+                 tenancy: Tenancy, keys: ExactKeys, capacity: TextCapacity | None,
+                 max_body_bytes: int) -> None:
+        self.forwarder = forwarder
+        self.admission = admission
+        self.metrics = metrics
+        self.tenancy = tenancy
+        self.keys = keys
+        self.capacity = capacity
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.monotonic()
+        headers: dict[str, str] = {}
+        for name, value in scope["headers"]:
+            headers.setdefault(name.decode("latin-1"), value.decode("latin-1"))
+        request_id = headers.get("x-request-id")
+        echo = ((b"x-request-id", request_id.encode("latin-1")),) if request_id else ()
+        if scope["method"] != "POST":
+            await _send_reply(send, _Reply(405, error_body(405, f"{scope['path']} takes POST"),
+                                           JSON, ((b"allow", b"POST"),)), echo)
+            return
+        try:
+            raw = await _read_body(receive, self.max_body_bytes)
+        except _TooLarge:
+            await _send_reply(send, _error(413, "request body exceeds "
+                                                f"{self.max_body_bytes} bytes"), echo)
+            return
+        if raw is None:  # the client left before sending its body
+            return
+        watch = _ClientWatch(receive)
+        try:
+            await self._serve(scope["path"], raw, headers, started, send, echo)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not watch.left or (task is not None and task.uncancel() > 0):
+                raise
+            # the client left: its upstream request is closed, nothing to answer
+        finally:
+            watch.done()
+
+    async def _serve(self, path: str, raw: bytes, headers: dict[str, str], started: float,
+                     send: Send, echo: tuple[tuple[bytes, bytes], ...]) -> None:
+        opened = await self._open(path, raw, headers, started)
+        if isinstance(opened, _Reply):
+            await _send_reply(send, opened, echo)
+            return
+        upstream = opened
+        try:
+            content_type = upstream.response.headers.get("content-type", "application/json")
+            status = upstream.response.status_code
+            if not content_type.startswith("text/event-stream"):
+                try:
+                    content = await upstream.read()
+                except UpstreamError as exc:
+                    reply = _error(502, f"worker {upstream.worker_url} failed mid-response: "
+                                   f"{type(exc).__name__}", "upstream_error")
+                else:
+                    reply = _Reply(status, content, content_type.encode("latin-1"))
+                await _send_reply(send, reply, echo)
+                return
+            await send({"type": "http.response.start", "status": status, "headers": [
+                (b"content-type", content_type.encode("latin-1")), *echo]})
+            await _relay(upstream, send)
+        finally:
+            # Both before anything can suspend: once the response is complete the client
+            # watch may cancel this task at its next suspension (`_ClientWatch`).
+            self.admission.release()
+            await upstream.close()  # never suspends
+
+    async def _open(self, path: str, raw: bytes, headers: dict[str, str],
+                    started: float) -> Upstream | _Reply:
+        """The worker's open response (holding an admission slot the caller releases), or the
+        gateway's own answer."""
+        try:
+            body = parse_json(raw)
+        except ValueError as exc:  # UnicodeDecodeError included
+            return _error(400, f"the request body is not valid JSON ({exc}): send a JSON "
+                          "object (UTF-8)")
+        if not isinstance(body, dict):
+            return _error(400, "the request body must be a JSON object")
+        _, salt = self.tenancy.resolve(headers)
+        body.pop("cache_salt", None)  # never trust a client's salt
+        if salt is not None:
+            body["cache_salt"] = salt
+        try:
+            route = route_request_for(path, body, salt, self.keys.keyer)
+        except ValueError as exc:
+            return _error(400, str(exc))
+        if (self.capacity is not None and self.keys.keyer is None
+                and isinstance(body.get("prompt"), str)):
+            self.capacity.sample(body["prompt"])
+        forwarded = {k: v for k, v in headers.items() if k in FORWARDED_HEADERS}
+        try:
+            await self.admission.acquire()
+        except Saturated as exc:
+            self.metrics.rejections.labels(exc.reason).inc()
+            return _error(429, f"the fleet is saturated ({exc.reason}); retry after "
+                          f"{exc.retry_after_s}s", "rate_limit_error", str(exc.retry_after_s))
+        try:
+            return await self.forwarder.open(path, body, forwarded, route, started)
+        except NoHealthyWorker as exc:
+            self.admission.release()
+            self.metrics.rejections.labels("no_healthy_worker").inc()
+            return _error(503, f"no healthy worker: {exc}", "service_unavailable", "1")
+        except NoWorkerAvailable as exc:
+            self.admission.release()
+            self.metrics.rejections.labels(f"upstream_{exc.status}").inc()
+            if exc.body is not None:
+                extra = ((b"retry-after", exc.retry_after.encode("latin-1")),) \
+                    if exc.retry_after else ()
+                return _Reply(exc.status, exc.body, JSON, extra)
+            return _error(503, str(exc), "service_unavailable", "1")
+        except BaseException:
+            self.admission.release()
+            raise
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The request body; None when the client disconnected first. Raises _TooLarge as soon as
+    it passes `limit` bytes."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _TooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _send_reply(send: Send, reply: _Reply,
+                      echo: tuple[tuple[bytes, bytes], ...]) -> None:
+    await send({"type": "http.response.start", "status": reply.status, "headers": [
+        (b"content-type", reply.content_type), (b"content-length", b"%d" % len(reply.body)),
+        *reply.headers, *echo]})
+    await send({"type": "http.response.body", "body": reply.body})
+
+
+async def _relay(upstream: Upstream, send: Send) -> None:
+    """Pass an SSE stream through, then end the response. A worker that dies mid-stream gives
+    the client an error event and the end marker."""
+    try:
+        async for chunk in upstream.iter_raw():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except UpstreamError as exc:
+        error = {"error": {"message": f"worker {upstream.worker_url} failed mid-stream "
+                           f"({type(exc).__name__}); retry the request", "type": "upstream_error",
+                           "param": None, "code": 502}}
+        await send({"type": "http.response.body", "more_body": True,
+                    "body": f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()})
+    await send({"type": "http.response.body", "body": b""})
