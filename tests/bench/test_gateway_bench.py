@@ -169,8 +169,15 @@ def test_a_small_run_measures_every_router_and_survives_a_worker_kill(tmp_path: 
         assert 0.0 < run["hit_rate"] < 1.0
         assert run["ttft_ms"]["p50"] <= run["ttft_ms"]["p99"] <= run["e2e_ms"]["p99"]
         assert sum(run["worker_shares"]) == pytest.approx(1.0)
+        # Each completed request: its arrival index, TTFT, and the worker's own token counts.
+        assert [r[0] for r in run["per_request"]] == list(range(18))
+        assert sorted(r[1] for r in run["per_request"]) == pytest.approx(run["ttfts_ms"],
+                                                                          abs=0.1)
+        assert all(0 <= r[3] <= r[2] for r in run["per_request"])
     ideal = runs[("base", "ideal")]
     assert ideal["hit_rate"] > 0.5  # three tenants, each pinned: most prompt tokens hit
+    cached = [r[3] for r in ideal["per_request"]]
+    assert cached[0] == 0 and sum(c > 0 for c in cached) >= 12  # the first is cold, most hit
     failover = runs[("failover", "kvserve:prefix_hash")]
     assert [a.split(" at ")[0] for a in failover["actions"]] == ["kill worker 1",
                                                                  "restart worker 1"]

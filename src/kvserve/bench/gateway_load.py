@@ -58,6 +58,8 @@ class RequestResult:
     ttft_s: float | None = None
     e2e_s: float | None = None
     output_tokens: int = 0
+    prompt_tokens: int | None = None  # the worker's usage, when it reports one
+    cached_tokens: int | None = None  # of those, served from its prefix cache
     attempts: int = 0
     timeouts: int = 0
     rejections: int = 0  # 429 / 503 answers
@@ -82,6 +84,8 @@ Target = Callable[[GatewayRequest, int], str]
 class _Attempt:
     ttft_s: float | None = None
     output_tokens: int = 0
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     first_token: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -117,6 +121,9 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, object],
                 usage = chunk.get("usage")
                 if usage:
                     attempt.output_tokens = int(usage.get("completion_tokens") or 0)
+                    attempt.prompt_tokens = usage.get("prompt_tokens")
+                    details = usage.get("prompt_tokens_details") or {}
+                    attempt.cached_tokens = details.get("cached_tokens")
                 # The first token is the first chunk carrying a choice: its text can be
                 # empty (a byte-level token that completes no character yet).
                 if attempt.ttft_s is None and chunk.get("choices"):
@@ -182,6 +189,7 @@ async def send_request(client: httpx.AsyncClient, request: GatewayRequest, model
         result.ttft_s = attempt.ttft_s
         result.e2e_s = time.perf_counter() - started
         result.output_tokens = attempt.output_tokens
+        result.prompt_tokens, result.cached_tokens = attempt.prompt_tokens, attempt.cached_tokens
         return result
     raise AssertionError("unreachable")
 

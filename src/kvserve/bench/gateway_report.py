@@ -47,6 +47,9 @@ class CaseRun:
     seed: int = 0  # of the workload (--seed, + the repeat's index with --repeats)
     ttfts_ms: list[float] = field(default_factory=list)  # every completed request's, sorted
     cpu_ms_per_request: dict[str, float] = field(default_factory=dict)  # "router", "workers"
+    # Each completed request in arrival order: [index, TTFT ms, prompt tokens, cached tokens]
+    # (the tokens as the worker's usage reports them, None where it reports none).
+    per_request: list[list[float | None]] = field(default_factory=list)
 
     def one_line(self) -> str:
         return (f"hit {self.hit_rate:.3f} · TTFT p50 {self.ttft_ms['p50']:.0f} ms "
@@ -88,7 +91,9 @@ def summarize(case: str, router: str, replicas: int, requests: Sequence[GatewayR
         retries=sum(r.timeouts + r.failures for r in results),
         rejections=sum(r.rejections for r in results),
         worker_shares=poller.shares(), duration_s=duration_s, actions=list(actions),
-        errors=list(dict.fromkeys(r.error for r in results if r.error))[:3])
+        errors=list(dict.fromkeys(r.error for r in results if r.error))[:3],
+        per_request=[[i, round(r.ttft_s * 1e3, 1), r.prompt_tokens, r.cached_tokens]
+                     for i, r in enumerate(results) if r.ok and r.ttft_s is not None])
 
 
 def fill_ideal_gaps(runs: Sequence[CaseRun]) -> None:
