@@ -15,6 +15,7 @@ from kvserve.bench import (
     kvcache_cli,
     preemption_cli,
     profile_cli,
+    router_cpu_cli,
     serve_cli,
 )
 from kvserve.gateway import command as gateway_command
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     disagg_cli.add_parser(benches)
     preemption_cli.add_parser(benches)
     attention_cli.add_parser(benches)
+    router_cpu_cli.add_parser(benches)
     serve_command.add_parser(commands)
     gateway_command.add_parsers(commands)
     simulate_command.add_parser(commands)

@@ -29,9 +29,11 @@ import asyncio
 import itertools
 import json
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 
@@ -98,6 +100,22 @@ def case_of(name: str) -> Case:
 def _pair(text: str) -> tuple[int, int]:
     low, _, high = text.partition(",")
     return int(low), int(high or low)
+
+
+T = TypeVar("T")
+PORT_CLASH = "Address already in use"
+
+
+def _retry_port_clash(call: Callable[[], T], err: Console) -> T:
+    """`call()`, once more if a process it started lost its port to another process between
+    `free_port()` and its bind (the new processes pick new ports)."""
+    try:
+        return call()
+    except LaunchError as exc:
+        if PORT_CLASH not in str(exc):
+            raise
+        err.print(f"[yellow]port clash ({exc}); once more on new ports[/]", soft_wrap=True)
+        return call()
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -330,7 +348,8 @@ def run(args: argparse.Namespace) -> int:
                     for _, router in itertools.product(range(args.repeats), routers):
                         err.print(f"[bold]overhead[/] · {router.label} …", highlight=False)
                         try:
-                            overheads.append(bench.overhead(router, prompts))
+                            overheads.append(_retry_port_clash(
+                                partial(bench.overhead, router, prompts), err))
                         except LaunchError as exc:
                             err.print(f"[yellow]{router.label}: skipped: {exc}[/]",
                                       soft_wrap=True)
@@ -343,7 +362,8 @@ def run(args: argparse.Namespace) -> int:
                     err.print(f"[bold]{case.name}[/] · seed {seed} · {router.label} …",
                               highlight=False)
                     try:
-                        result = bench.run(case, router, seed)
+                        result = _retry_port_clash(
+                            partial(bench.run, case, router, seed), err)
                     except LaunchError as exc:
                         err.print(f"[yellow]{router.label}: skipped: {exc}[/]", soft_wrap=True)
                         continue
