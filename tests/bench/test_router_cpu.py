@@ -16,7 +16,7 @@ from kvserve.gateway.scraper import read_series
 
 
 def test_the_stub_worker_streams_its_tokens_and_reports_vllm_series(tmp_path: Path) -> None:
-    with StubWorker(0, 5, tmp_path) as worker, httpx.Client(timeout=10.0) as client:
+    with StubWorker(0, 5, 0.0, tmp_path) as worker, httpx.Client(timeout=10.0) as client:
         with client.stream("POST", f"{worker.url}/v1/completions",
                            json={"prompt": "x" * 400, "stream": True}) as response:
             assert response.headers["content-type"] == "text/event-stream"
@@ -61,6 +61,7 @@ def test_each_router_is_measured_and_a_missing_peer_is_skipped(tmp_path: Path) -
     (["--routers", "ideal"], "drop 'ideal'"),
     (["--routers", "kvserve:cache_aware", "--requests", "0"], "--requests must be >= 1"),
     (["--routers", "nginx:rr"], "use 'ideal' or KIND:POLICY"),
+    (["--token-interval", "-1"], "--token-interval must be within 0-10 s"),
 ])
 def test_bad_arguments_are_refused_before_any_process(tmp_path: Path, args: list[str],
                                                       message: str) -> None:

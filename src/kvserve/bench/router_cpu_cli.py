@@ -2,8 +2,8 @@
 
 In `kvserve bench gateway` the router shares the machine's cores with real workers, so its CPU
 comes out of theirs, but its figure there moves with the workers' noise. Here the workers are
-stubs (`kvserve.bench.stub_worker`: instant streamed answers of `--tokens` chunks), so what a
-router spends per request is its own:
+stubs (`kvserve.bench.stub_worker`: streamed answers of `--tokens` chunks, `--token-interval` apart,
+with no model behind them), so what a router spends per request is its own:
 
 - idle: CPU per second with no traffic (health checks, metric scrapes, KV-event polls);
 - load: `--requests` streamed completions, `--concurrency` at a time, over `--tenants` long
@@ -116,9 +116,9 @@ def measure(spec: RouterSpec, workers: list[str], args: argparse.Namespace, log_
 
 def render(report: RouterCpuReport, console: Console) -> None:
     table = Table(title="router CPU behind stub workers (mean over repeats, min-max)")
-    for column in ("router", "CPU ms / request", "vs first", "idle CPU ms / s", "requests / s",
-                   "failed"):
-        table.add_column(column, justify="left" if column == "router" else "right")
+    table.add_column("router", no_wrap=True)
+    for column in ("CPU ms / request", "vs first", "idle CPU ms / s", "requests / s", "failed"):
+        table.add_column(column, justify="right")
     by_router: dict[str, list[RouterCpuRun]] = {}
     for run in report.runs:
         by_router.setdefault(run.router, []).append(run)
@@ -149,9 +149,14 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             console.print(f"[red]--{name.replace('_', '-')} must be >= 1[/red]")
             return 2
+    if not 0 <= args.token_interval <= 10 or not 0 < args.idle_seconds <= 600:
+        console.print("[red]--token-interval must be within 0-10 s and --idle-seconds within "
+                      "0-600 s[/red]")
+        return 2
     report = RouterCpuReport(config={k: v for k, v in vars(args).items() if k != "func"})
     log_dir = Path(tempfile.mkdtemp(prefix="kvserve-router-cpu-"))
-    workers = [StubWorker(i, args.tokens, log_dir) for i in range(args.workers)]
+    workers = [StubWorker(i, args.tokens, args.token_interval, log_dir)
+               for i in range(args.workers)]
     try:
         for worker in workers:
             worker.start()
@@ -188,6 +193,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--prompt-chars", type=int, default=12000,
                    help="characters of each tenant's shared prefix")
     p.add_argument("--tokens", type=int, default=16, help="streamed chunks a completion")
+    p.add_argument("--token-interval", type=float, default=0.005,
+                   help="seconds between two chunks (a decode step; 0: as fast as possible)")
     p.add_argument("--idle-seconds", type=float, default=5.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", help="write the runs here")

@@ -1,8 +1,9 @@
 """An OpenAI-compatible stand-in worker that does no model work, for measuring a router alone.
 
-`python -m kvserve.bench.stub_worker --port P [--tokens N]` answers:
-- `POST /v1/completions` and `/v1/chat/completions`: streamed (`"stream": true`) as N SSE chunks,
-  a usage chunk and `[DONE]`, each chunk its own write; otherwise one JSON body;
+`python -m kvserve.bench.stub_worker --port P [--tokens N] [--token-interval S]` answers:
+- `POST /v1/completions` and `/v1/chat/completions`: streamed (`"stream": true`) as N SSE chunks
+  S seconds apart (a decode step; each chunk its own write, as a worker sends them), a usage
+  chunk and `[DONE]`; otherwise one JSON body;
 - `GET /health`, `GET /v1/models` (root "stub": no tokenizer to find) and `GET /metrics`: the
   vLLM-named series a router scrapes, with an idle queue and a 16,384-token cache.
 
@@ -46,8 +47,9 @@ def _frame(chunk: bytes) -> bytes:
 class StubServer:
     """Serves connections (keep-alive) with `tokens` output tokens a completion."""
 
-    def __init__(self, tokens: int) -> None:
+    def __init__(self, tokens: int, token_interval_s: float) -> None:
         self.tokens = tokens
+        self.token_interval_s = token_interval_s
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError,
@@ -100,14 +102,15 @@ class StubServer:
             writer.write(_frame(_event({"id": "stub", "model": "stub", "choices": [
                 {"index": 0, **delta, "finish_reason": "length" if i == self.tokens - 1
                  else None}]})))
-            await writer.drain()  # one write a token, as a worker sends them
-            await asyncio.sleep(0)
+            await writer.drain()
+            await asyncio.sleep(self.token_interval_s)
         writer.write(_frame(_event({"id": "stub", "model": "stub", "choices": [],
                                     "usage": usage})) + _frame(b"data: [DONE]\n\n") + b"0\r\n\r\n")
 
 
-async def _serve(port: int, tokens: int) -> None:
-    server = await asyncio.start_server(StubServer(tokens).handle, "127.0.0.1", port)
+async def _serve(port: int, tokens: int, token_interval_s: float) -> None:
+    server = await asyncio.start_server(StubServer(tokens, token_interval_s).handle,
+                                        "127.0.0.1", port)
     async with server:
         await server.serve_forever()
 
@@ -115,13 +118,15 @@ async def _serve(port: int, tokens: int) -> None:
 class StubWorker(ManagedProcess):
     """One stub worker process."""
 
-    def __init__(self, index: int, tokens: int, log_dir: Path) -> None:
+    def __init__(self, index: int, tokens: int, token_interval_s: float, log_dir: Path) -> None:
         super().__init__(f"stub-worker-{index}", log_dir, startup_timeout_s=30.0)
         self.tokens = tokens
+        self.token_interval_s = token_interval_s
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         return ([sys.executable, "-m", "kvserve.bench.stub_worker", "--port", str(self.port),
-                 "--tokens", str(self.tokens)], dict(os.environ))
+                 "--tokens", str(self.tokens), "--token-interval", str(self.token_interval_s)],
+                dict(os.environ))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -129,11 +134,13 @@ def main(argv: Sequence[str] | None = None) -> None:
                                 description=__doc__.split("\n")[0])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--tokens", type=int, default=16, help="output tokens a completion")
+    p.add_argument("--token-interval", type=float, default=0.005,
+                   help="seconds between two streamed tokens")
     args = p.parse_args(argv)
-    if args.tokens < 1:
-        p.error("--tokens must be >= 1")
+    if args.tokens < 1 or not 0 <= args.token_interval <= 10:
+        p.error("--tokens must be >= 1 and --token-interval within 0-10 s")
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(args.port, args.tokens))
+        asyncio.run(_serve(args.port, args.tokens, args.token_interval))
 
 
 if __name__ == "__main__":
