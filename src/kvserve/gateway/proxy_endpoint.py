@@ -110,20 +110,18 @@ class _ClientWatch:
         self._watcher.cancel()
 
 
+@dataclass(slots=True)
 class ProxyEndpoint:
     """Serves the proxied routes for one gateway; `__call__` is an ASGI application for an
     HTTP scope whose path is in PROXIED_PATHS."""
 
-    def __init__(self, forwarder: Forwarder, admission: Admission, metrics: GatewayMetrics,
-                 tenancy: Tenancy, keys: ExactKeys, capacity: TextCapacity | None,
-                 max_body_bytes: int) -> None:
-        self.forwarder = forwarder
-        self.admission = admission
-        self.metrics = metrics
-        self.tenancy = tenancy
-        self.keys = keys
-        self.capacity = capacity
-        self.max_body_bytes = max_body_bytes
+    forwarder: Forwarder
+    admission: Admission
+    metrics: GatewayMetrics
+    tenancy: Tenancy
+    keys: ExactKeys
+    capacity: TextCapacity | None
+    max_body_bytes: int
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.monotonic()
