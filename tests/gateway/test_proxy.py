@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from kvserve.gateway.tenancy import Tenancy
-from kvserve.gateway.text_capacity import DEFAULT_SAMPLE_EVERY
+from kvserve.gateway.text_capacity import DEFAULT_SAMPLE_EVERY, MIN_SAMPLES
 from tests.gateway.conftest import SALT_SECRET, MakeClient
 from tests.gateway.processes import Process, running_gateway, wait_until
 
@@ -213,8 +213,9 @@ def test_workers_shows_each_workers_kv_capacity_from_its_own_metrics(
 
 def test_cache_aware_measures_characters_per_token_with_the_workers_tokenizer(
         fleet: list[Process], proc_logs: Path, make_client: MakeClient, model_name: str) -> None:
-    """Text keys assume 4 characters a token; the gateway tokenizes one prompt in 32 with the
-    tokenizer the workers' /v1/models names, to scale their capacity to what text keys count."""
+    """Text keys assume 4 characters a token; the gateway tokenizes prompts with the tokenizer
+    the workers' /v1/models names, to scale their capacity to what text keys count: each of
+    the first MIN_SAMPLES, then one in 32."""
     with running_gateway([w.url for w in fleet], proc_logs,
                          ["--policy", "cache_aware"]) as gateway:
         client = make_client(gateway.url)
@@ -223,5 +224,6 @@ def test_cache_aware_measures_characters_per_token_with_the_workers_tokenizer(
                                       max_tokens=1, extra_body=RUN)
         state = gateway.get("/workers").json()
     assert state["text_keys"]["tokenizer"] is True
-    assert state["text_keys"]["tokenized_samples"] == 1
+    # the first MIN_SAMPLES prompts, then the 32nd
+    assert state["text_keys"]["tokenized_samples"] == MIN_SAMPLES + 1
     assert all(w["kv_capacity_tokens"] > 0 for w in state["workers"])
