@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from rich.console import Console
 
@@ -69,7 +69,14 @@ from kvserve.bench.gateway_workload import (
     tenant_trace,
     working_set_tokens,
 )
-from kvserve.bench.server_launch import KVSERVE, VLLM, CpuReading, LaunchError, LaunchSpec
+from kvserve.bench.server_launch import (
+    KVSERVE,
+    VLLM,
+    CpuReading,
+    LaunchError,
+    LaunchSpec,
+    retry_port_clash,
+)
 from kvserve.gateway.prefix import DEFAULT_BLOCK_CHARS
 from kvserve.sim.client import ClientConfig
 from kvserve.workload import MultiTenantSpec, TraceRequest
@@ -102,20 +109,8 @@ def _pair(text: str) -> tuple[int, int]:
     return int(low), int(high or low)
 
 
-T = TypeVar("T")
-PORT_CLASH = "Address already in use"
-
-
-def _retry_port_clash(call: Callable[[], T], err: Console) -> T:
-    """`call()`, once more if a process it started lost its port to another process between
-    `free_port()` and its bind (the new processes pick new ports)."""
-    try:
-        return call()
-    except LaunchError as exc:
-        if PORT_CLASH not in str(exc):
-            raise
-        err.print(f"[yellow]port clash ({exc}); once more on new ports[/]", soft_wrap=True)
-        return call()
+def _warn(err: Console) -> Callable[[str], None]:
+    return lambda message: err.print(f"[yellow]{message}[/]", soft_wrap=True)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -348,8 +343,8 @@ def run(args: argparse.Namespace) -> int:
                     for _, router in itertools.product(range(args.repeats), routers):
                         err.print(f"[bold]overhead[/] · {router.label} …", highlight=False)
                         try:
-                            overheads.append(_retry_port_clash(
-                                partial(bench.overhead, router, prompts), err))
+                            overheads.append(retry_port_clash(
+                                partial(bench.overhead, router, prompts), _warn(err)))
                         except LaunchError as exc:
                             err.print(f"[yellow]{router.label}: skipped: {exc}[/]",
                                       soft_wrap=True)
@@ -362,8 +357,8 @@ def run(args: argparse.Namespace) -> int:
                     err.print(f"[bold]{case.name}[/] · seed {seed} · {router.label} …",
                               highlight=False)
                     try:
-                        result = _retry_port_clash(
-                            partial(bench.run, case, router, seed), err)
+                        result = retry_port_clash(
+                            partial(bench.run, case, router, seed), _warn(err))
                     except LaunchError as exc:
                         err.print(f"[yellow]{router.label}: skipped: {exc}[/]", soft_wrap=True)
                         continue

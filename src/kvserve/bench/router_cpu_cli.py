@@ -24,6 +24,7 @@ import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvserve.bench.gateway_fleet import RouterSpec, make_router
-from kvserve.bench.server_launch import LaunchError, ManagedProcess
+from kvserve.bench.server_launch import LaunchError, ManagedProcess, retry_port_clash
 from kvserve.bench.stub_worker import StubWorker
 
 DEFAULT_ROUTERS = "kvserve:cache_aware,kvserve:precise,sglang:cache_aware"
@@ -163,7 +164,9 @@ def run(args: argparse.Namespace) -> int:
         for repeat in range(args.repeats):
             for spec in specs:
                 try:
-                    result = measure(spec, [w.url for w in workers], args, log_dir, repeat)
+                    result = retry_port_clash(
+                        partial(measure, spec, [w.url for w in workers], args, log_dir, repeat),
+                        lambda message: console.print(f"[yellow]{message}[/yellow]"))
                 except LaunchError as exc:
                     console.print(f"[yellow]{spec.label}: skipped ({exc})[/yellow]")
                     continue

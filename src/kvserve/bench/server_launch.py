@@ -16,10 +16,10 @@ import subprocess
 import sys
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Self
+from typing import Self, TypeVar
 
 import httpx
 
@@ -33,6 +33,23 @@ LOG_TAIL_CHARS = 1500
 
 class LaunchError(Exception):
     """The server could not be started or never became healthy; the message says why."""
+
+
+T = TypeVar("T")
+PORT_CLASH = "Address already in use"
+
+
+def retry_port_clash(call: Callable[[], T], note: Callable[[str], object]) -> T:
+    """`call()`, once more if a process it started lost its port to another process between
+    `free_port()` and its bind (`call` must start new processes, which pick new ports); `note`
+    is told of the retry."""
+    try:
+        return call()
+    except LaunchError as exc:
+        if PORT_CLASH not in str(exc):
+            raise
+        note(f"port clash ({exc}); once more on new ports")
+        return call()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,12 +1,12 @@
 """A lean HTTP/1.1 client for the gateway's hot path: one POST upstream, its body streamed back
-(and the GETs of `precise`'s KV-event long polls, several a second to every worker).
+(and the periodic GETs: metric scrapes, `precise`'s KV-event long polls).
 
 Why not httpx here: its connection pool scans every pooled connection (polling each socket) on
 every request, so the gateway's cost per request grew with its concurrency; at 64 concurrent
 streams that scan was a third of the gateway's CPU. This client keeps a LIFO list of idle
 keep-alive connections per worker (O(1) to take or return one), parses with httptools (the
 parser uvicorn uses) and writes straight to the asyncio transport. httpx stays for everything
-that is neither per request nor a KV-event poll (scrapes, /v1/models).
+that is neither per request nor periodic (/v1/models, at start-up and when asked).
 
 Contracts:
 - `UpstreamClient.post` returns once the status line and headers arrived; the body is then read
@@ -169,16 +169,12 @@ class _Connection(asyncio.Protocol):
                 self.waiter = None
                 if timer is not None:
                     timer.cancel()
-        chunk = self.chunks.popleft() if len(self.chunks) == 1 else self._take_all()
+        chunk = b"".join(self.chunks)
+        self.chunks.clear()
         self.buffered -= len(chunk)
         if self.paused and self.buffered <= MAX_BUFFERED_BYTES // 2 and self.transport:
             self.paused = False
             self.transport.resume_reading()
-        return chunk
-
-    def _take_all(self) -> bytes:
-        chunk = b"".join(self.chunks)
-        self.chunks.clear()
         return chunk
 
     def close(self) -> None:
