@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import Callable
 
 import httpx
 
@@ -116,6 +117,46 @@ def test_non_streaming_disconnect_aborts_the_request(server: ServerProcess) -> N
     assert_idle_and_audited(server)
     finished = server.metrics().value("kvserve:kv_request_frees_total", reason="finished")
     assert finished - finished_before < 64, "the dropped request ran to the end"
+
+
+def _waiting(server: ServerProcess) -> float:
+    return server.metrics().value("vllm:num_requests_waiting")
+
+
+def test_a_stream_dropped_while_queued_leaves_the_queue_at_once(server: ServerProcess) -> None:
+    """A client that gives up on its first token (a TTFT timeout) while its request waits
+    behind a full batch: the request leaves the queue then, not when a slot frees, so the
+    engine never computes a prompt nobody waits for."""
+    body = {"prompt": "Tell me a story", "n": 32, "max_tokens": 240, "temperature": 0.0,
+            "ignore_eos": True}  # the 32 running slots, for seconds
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60.0) as http:
+            blocker = asyncio.ensure_future(http.post("/v1/completions", json=body))
+            await _until(lambda: _running(server) >= 32, blocker, "the batch to fill")
+            queued = asyncio.ensure_future(_one(http, 0, drop_after=None))
+            await _until(lambda: _waiting(server) >= 1, blocker, "the stream to queue")
+            queued.cancel()  # what a client's TTFT timeout does: close the connection
+            await asyncio.gather(queued, return_exceptions=True)
+            await _until(lambda: _waiting(server) == 0, blocker, "the dropped stream to leave")
+            running = _running(server)
+            assert running >= 32, f"the dropped stream left the queue only as the batch " \
+                                  f"ended ({running} running): it waited for a slot"
+            blocker.cancel()
+            await asyncio.gather(blocker, return_exceptions=True)
+
+    asyncio.run(scenario())
+    assert_idle_and_audited(server)
+
+
+async def _until(condition: Callable[[], bool], blocker: asyncio.Future[object],
+                 what: str, timeout_s: float = 10.0) -> None:
+    """Poll `condition` (in a thread: it scrapes) while the blocking request still runs."""
+    end = asyncio.get_running_loop().time() + timeout_s
+    while not await asyncio.to_thread(condition):
+        assert not blocker.done(), f"the blocking request ended before {what}"
+        assert asyncio.get_running_loop().time() < end, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
 
 
 HOST_TIER_TENANTS = 6

@@ -165,7 +165,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
             return JSONResponse(fmt.whole(outputs))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = serving.stream(call, prompts, params, body.cache_salt, pull_from)
-        first = await _first_or_error(events)
+        first = await _first_or_error(events, raw)
 
         async def body_stream() -> AsyncIterator[str]:
             finals = {}
@@ -199,7 +199,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
             return JSONResponse(fmt.whole(output))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = serving.stream(call, [prompt], params, body.cache_salt, pull_from)
-        first = await _first_or_error(events)
+        first = await _first_or_error(events, raw)
 
         async def body_stream() -> AsyncIterator[str]:
             final = None
@@ -219,12 +219,40 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     return app
 
 
-async def _first_or_error(events):  # type: ignore[no-untyped-def]
-    """Pull the first event before the response starts, so a refused request is still a 4xx."""
+async def _first_or_error(events, raw: Request):  # type: ignore[no-untyped-def]
+    """Pull the first event before the response starts, so a refused request is still a 4xx.
+
+    A client that leaves meanwhile (its request queued behind a full batch, or in its prefill)
+    aborts the request at once, freeing its place and blocks: nothing reads the response yet,
+    so without this watch the engine would compute a prompt nobody waits for, which is what
+    turns clients that time out and resend into a retry storm."""
+    first = asyncio.ensure_future(_next(events))
+    left = asyncio.ensure_future(_client_left(raw))
     try:
-        return await events.__anext__()
+        await asyncio.wait({first, left}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not first.done():
+            first.cancel()  # ends the stream: its pumps cancel, which aborts the engine requests
+            await asyncio.gather(first, return_exceptions=True)
+    if first.cancelled():
+        raise APIError(499, "client disconnected before the first token",
+                       err_type="client_closed_request")
+    try:
+        return first.result()
     except StopAsyncIteration:
         return None
+
+
+async def _next(events):  # type: ignore[no-untyped-def]
+    return await events.__anext__()
+
+
+async def _client_left(raw: Request) -> None:
+    """Return when the client disconnects (the body is already read: the next message the
+    server has for this request is the disconnect)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _chain(pending, events):  # type: ignore[no-untyped-def]
