@@ -1,14 +1,19 @@
 """Admission control: a bounded number of requests in flight, a bounded queue with a timeout.
 
-When the fleet is saturated a request waits (up to `queue_timeout_s`, in a queue of at most
-`max_queued`); past either limit the gateway answers 429 with Retry-After instead of piling load
-onto workers whose clients are already timing out.
+The limit is the smaller of `max_in_flight` and what the fleet can run (`fleet_slots`: each
+healthy worker's batch capacity plus a little headroom, learned from its /metrics; None while
+some worker's is unknown). So in overload the backlog waits here, in arrival order, not in the
+workers' queues: a client that leaves costs nothing, and a request that cannot start within
+`queue_timeout_s` (or finds `max_queued` ahead of it) is answered 429 with Retry-After before
+its client's own timeout fires and it resends, which is how a retry storm starts.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 
@@ -22,20 +27,32 @@ class Saturated(Exception):
 
 
 class Admission:
-    """At most `max_in_flight` requests run; up to `max_queued` wait for a slot."""
+    """At most `limit` requests run; up to `max_queued` wait for a slot, first come first
+    served. Call `refresh()` when `fleet_slots` may have grown (after a scrape)."""
 
     def __init__(self, max_in_flight: int, max_queued: int, queue_timeout_s: float,
-                 retry_after_s: int = 1) -> None:
+                 retry_after_s: int = 1,
+                 fleet_slots: Callable[[], int | None] | None = None) -> None:
         if max_in_flight < 1 or max_queued < 0 or queue_timeout_s < 0:
             raise ValueError("max_in_flight >= 1, max_queued >= 0 and queue_timeout_s >= 0")
         self.max_in_flight = max_in_flight
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
         self.retry_after_s = retry_after_s
+        self.fleet_slots = fleet_slots
         self.in_flight = 0
-        self.queued = 0
         self.rejected = 0
-        self._slots = asyncio.Semaphore(max_in_flight)
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def limit(self) -> int:
+        """Requests allowed in flight now."""
+        fleet = self.fleet_slots() if self.fleet_slots is not None else None
+        return self.max_in_flight if fleet is None else max(1, min(self.max_in_flight, fleet))
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -49,22 +66,41 @@ class Admission:
     async def acquire(self) -> None:
         """Take a slot (a streamed response releases it when the stream ends); raises
         Saturated when none comes within the queue limits."""
-        if self._slots.locked():
-            if self.queued >= self.max_queued:
-                self.rejected += 1
-                raise Saturated("queue full", self.retry_after_s)
-            self.queued += 1
-            try:
-                await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
-            except TimeoutError:
-                self.rejected += 1
-                raise Saturated("queue timeout", self.retry_after_s) from None
-            finally:
-                self.queued -= 1
-        else:
-            await self._slots.acquire()
-        self.in_flight += 1
+        if not self._waiters and self.in_flight < self.limit:
+            self.in_flight += 1
+            return
+        if len(self._waiters) >= self.max_queued:
+            self.rejected += 1
+            raise Saturated("queue full", self.retry_after_s)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self.queue_timeout_s):
+                await waiter
+        except TimeoutError:
+            self._abandon(waiter)
+            self.rejected += 1
+            raise Saturated("queue timeout", self.retry_after_s) from None
+        except BaseException:  # cancelled: the client left while queued
+            self._abandon(waiter)
+            raise
 
     def release(self) -> None:
         self.in_flight -= 1
-        self._slots.release()
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Hand free slots to the longest-waiting requests."""
+        while self._waiters and self.in_flight < self.limit:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.in_flight += 1
+                waiter.set_result(None)
+
+    def _abandon(self, waiter: asyncio.Future[None]) -> None:
+        if waiter.done() and not waiter.cancelled():
+            self.release()  # handed a slot just as it gave up: pass it on
+            return
+        waiter.cancel()
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)

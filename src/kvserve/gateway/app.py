@@ -45,15 +45,16 @@ from kvserve.gateway.worker_pool import WorkerPool
 
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
-    """`max_in_flight`: requests open upstream at once (fleet-wide); beyond it up to
-    `max_queued` wait `queue_timeout_s` for a slot, then get 429 + Retry-After."""
+    """`max_in_flight`: requests open upstream at once (fleet-wide; less once the workers'
+    batch capacity is known, `admission.py`); beyond it up to `max_queued` wait
+    `queue_timeout_s` for a slot, then get 429 + Retry-After."""
 
     workers: tuple[str, ...]
     policy: str = "prefix_hash"
     policy_options: tuple[tuple[str, Any], ...] = ()  # make_policy keyword options
     max_in_flight: int = 256
     max_queued: int = 512
-    queue_timeout_s: float = 5.0
+    queue_timeout_s: float = 2.0
     request_timeout_s: float | None = 600.0
     retry_ratio: float = 0.1
     scrape_interval_s: float = 1.0
@@ -105,7 +106,8 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                              "--decode-worker; drop the plain --worker URLs")
         for url, worker in pool.workers.items():
             worker.role = disagg.role_of(url)
-    admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s)
+    admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s,
+                          fleet_slots=lambda: pool.fleet_slots(time.monotonic()))
     budget = RetryBudget(ratio=settings.retry_ratio)
     keys = ExactKeys(settings.tokenizer, settings.block_size, settings.policy == "precise")
     metrics = GatewayMetrics(pool, admission, budget, keys)
@@ -119,7 +121,8 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
     capacity = TextCapacity(policy) if isinstance(policy, CapacityAware) else None
     scraper = Scraper(pool, upstream_client, settings.scrape_interval_s,
                       on_restart=policy.remove_worker,
-                      on_capacity=capacity.worker_capacity if capacity is not None else None)
+                      on_capacity=capacity.worker_capacity if capacity is not None else None,
+                      on_scraped=admission.refresh)
     follower = (EventFollower(pool, policy, upstream_client, settings.events_interval_s,
                               settings.admin_key,
                               min_interval_s=settings.events_min_interval_s)

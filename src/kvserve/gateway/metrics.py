@@ -62,6 +62,11 @@ class PoolCollector(Collector):
                                    "admission.")
         queued.add_metric([], self.admission.queued)
         yield queued
+        limit = GaugeMetricFamily("kvserve:gateway_admission_limit", "Requests admitted at "
+                                  "once now: --max-in-flight, or less once the workers' batch "
+                                  "capacity is known.")
+        limit.add_metric([], self.admission.limit)
+        yield limit
         balance = GaugeMetricFamily("kvserve:gateway_retry_budget_balance", "Retries available.")
         balance.add_metric([], self.budget.balance)
         yield balance

@@ -99,6 +99,8 @@ def apply_metrics(worker: WorkerState, text: str) -> bool:
     totals = read_series(text)
     worker.num_running = int(totals.get("num_running", worker.num_running))
     worker.num_waiting = int(totals.get("num_waiting", worker.num_waiting))
+    if worker.num_waiting > 0:  # full: what runs now is as much as it runs at once
+        worker.batch_capacity = max(worker.batch_capacity, worker.num_running)
     worker.kv_usage = totals.get("kv_usage", worker.kv_usage)
     worker.kv_capacity_tokens = int(totals.get("kv_capacity_tokens", worker.kv_capacity_tokens))
     queries = totals.get("prefix_queries", worker.prefix_queries)
@@ -120,19 +122,23 @@ class Scraper(Periodic):
     seen restarted (`apply_metrics`) is reported to `on_restart(url)`: a routing policy's index
     of what it cached is stale from then on. A worker's KV capacity in tokens, when first seen
     and whenever it changes, goes to `on_capacity(url, tokens)`: how much a policy's index of it
-    may hold."""
+    may hold. `on_scraped()` runs after each round (the fleet's capacity may have changed)."""
 
     def __init__(self, pool: WorkerPool, client: UpstreamClient, interval_s: float = 1.0,
                  on_restart: Callable[[str], None] | None = None,
-                 on_capacity: Callable[[str, int], None] | None = None):
+                 on_capacity: Callable[[str, int], None] | None = None,
+                 on_scraped: Callable[[], None] | None = None):
         self.pool = pool
         self.client = client
         self.interval_s = interval_s
         self.on_restart = on_restart
         self.on_capacity = on_capacity
+        self.on_scraped = on_scraped
 
     async def scrape_once(self) -> None:
         await asyncio.gather(*(self._scrape(w) for w in self.pool.workers.values()))
+        if self.on_scraped is not None:
+            self.on_scraped()
 
     tick = scrape_once
 

@@ -25,6 +25,7 @@ class WorkerState:
     num_waiting: int = 0
     kv_usage: float = 0.0
     kv_capacity_tokens: int = 0  # from the worker's /metrics; 0 until known
+    batch_capacity: int = 0  # requests it runs at once, seen when it queued some; 0 until then
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
     consecutive_failures: int = 0
@@ -48,6 +49,13 @@ class WorkerState:
         )
 
 
+def worker_slots(batch_capacity: int) -> int:
+    """Requests kept on a worker that runs `batch_capacity` at once (0: unknown): its batch
+    plus half again waiting, so a finished request is replaced at once without a queue long
+    enough to matter. 0 when the capacity is unknown."""
+    return batch_capacity + max(2, batch_capacity // 2) if batch_capacity > 0 else 0
+
+
 @dataclass(slots=True)
 class WorkerPool:
     """All workers, with the ejection policy."""
@@ -65,6 +73,16 @@ class WorkerPool:
 
     def views(self, now: float) -> list[WorkerView]:
         return [w.view(now) for w in self.workers.values()]
+
+    def fleet_slots(self, now: float) -> int | None:
+        """Requests the healthy workers can hold without a queue of their own beyond a little
+        headroom (`worker_slots`); None while some healthy worker's capacity is unknown (it
+        has not been seen full yet), or when none is healthy (the router answers that)."""
+        slots = [worker_slots(w.batch_capacity) for w in self.workers.values()
+                 if w.healthy and now >= w.ejected_until]
+        if not slots or 0 in slots:
+            return None
+        return sum(slots)
 
     def get(self, url: str) -> WorkerState:
         return self.workers[url]
