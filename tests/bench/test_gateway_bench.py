@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -234,12 +235,24 @@ def test_repeated_runs_are_pooled_per_case_and_router(capsys: pytest.CaptureFixt
                                                            [40.0, 50.0, 60.0])])
     rows = {line.split("│")[2].strip(): [c.strip() for c in line.split("│")[3:-1]]
             for line in capsys.readouterr().out.splitlines() if line.count("│") > 10}
-    seeds, mean, span, gap, p50, p99, done, lost, retries, _ = rows["kvserve:precise"]
+    seeds, mean, span, gap, p50, p99, with_lost, done, lost, retries, _ = rows["kvserve:precise"]
     assert (seeds, mean, span, gap, done, lost, retries) == ("2", "0.750", "0.700-0.800", "5.0",
                                                              "6/6", "0", "1")
     assert float(p50) == pytest.approx(35.0) and 55.0 < float(p99) <= 60.0
+    assert with_lost == p99  # nothing lost: the same p99
     print_pooled([run("ideal", 0, 0.9, [1.0])])  # one seed each: nothing to pool, no table
     assert capsys.readouterr().out == ""
+
+
+def test_lost_requests_count_as_slower_than_any_in_the_p99() -> None:
+    from kvserve.bench.gateway_report import percentile_with_lost
+
+    done = [float(t) for t in range(1, 200)]
+    assert percentile_with_lost(done, 0, 99) == pytest.approx(197.02)
+    assert percentile_with_lost(done, 2, 99) == pytest.approx(199.0)  # the worst done one
+    assert math.isinf(percentile_with_lost(done, 3, 99))  # the p99 falls among the lost
+    assert math.isinf(percentile_with_lost([], 3, 50))
+    assert math.isnan(percentile_with_lost([], 0, 99))
 
 
 class _Spinner(ManagedProcess):

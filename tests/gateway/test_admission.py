@@ -136,6 +136,44 @@ def test_fleet_slots_count_healthy_workers_once_all_are_known() -> None:
     a.batch_capacity = 16
     assert pool.fleet_slots(0.0) is None  # b might run hundreds
     b.batch_capacity = 4
-    assert pool.fleet_slots(0.0) == worker_slots(16) + worker_slots(4) == 24 + 6
+    assert pool.fleet_slots(0.0) == worker_slots(16) + worker_slots(4) == 20 + 6
     pool.record_health("http://b", False, 0.0, "down")
-    assert pool.fleet_slots(0.0) == 24  # an ejected worker takes nothing
+    assert pool.fleet_slots(0.0) == 20  # an ejected worker takes nothing
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_queue_longer_than_the_timeout_is_refused_at_once_with_its_drain_time() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        admission = Admission(10, 100, 1.0, clock=clock)
+        for _ in range(10):
+            await admission.acquire()
+        assert admission.expected_wait_s() is None  # nothing freed yet: no rate to go by
+        for _ in range(10):  # 10 slots freed within a second, refilled each time
+            clock.now += 0.1
+            admission.release()
+            await admission.acquire()
+        assert admission.service_rate() == 10 / 2.0  # per second, over the 2 s window
+        queued = [asyncio.create_task(admission.acquire()) for _ in range(5)]
+        await _settle()
+        assert admission.queued == 5  # the 5th: 5 / (5 per s) = 1 s, still within the timeout
+        with pytest.raises(Saturated) as info:
+            await admission.acquire()  # the 6th ahead of itself: 1.2 s > 1 s
+        assert info.value.reason == "queue wait" and info.value.retry_after_s == 2
+        assert admission.queued == 5 and admission.rejected == 1
+        clock.now += 10.0  # the rate's window is stale: no estimate, so it queues again
+        late = asyncio.create_task(admission.acquire())
+        await _settle()
+        assert admission.queued == 6
+        for task in [*queued, late]:
+            task.cancel()
+        await asyncio.gather(*queued, late, return_exceptions=True)
+
+    run(scenario())

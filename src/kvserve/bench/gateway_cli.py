@@ -154,7 +154,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    "counts as lost")
     c.add_argument("--gateway-max-in-flight", type=int, default=256,
                    help="kvserve gateway admission limit (its own default)")
-    c.add_argument("--gateway-queue-timeout", type=float, default=2.0,
+    c.add_argument("--gateway-queue-timeout", type=float, default=1.0,
                    help="kvserve gateway admission queue timeout, s (its own default)")
     c.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for each `kvserve gateway` (repeatable)")

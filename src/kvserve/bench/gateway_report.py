@@ -3,9 +3,10 @@
 Per run: the fleet's prefix hit rate (the workers' own counters: prompt tokens served from cache /
 prompt tokens looked up), the points it is below the `ideal` run of the same case, TTFT and
 end-to-end latency p50/p99 of the requests that completed (from their first send, so retries and
-waits count), completed requests per second, lost requests (no success by the deadline or the
-retry limit), retries (timed-out or failed attempts resent), 429/503 answers, and each worker's
-share of the prompt tokens.
+waits count), the TTFT p99 of every request with the lost ones counted slower than any (so
+losing requests never buys a better p99), completed requests per second, lost requests (no
+success by the deadline or the retry limit), retries (timed-out or failed attempts resent),
+429/503 answers, and each worker's share of the prompt tokens.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class CaseRun:
     # Each completed request in arrival order: [index, TTFT ms, prompt tokens, cached tokens]
     # (the tokens as the worker's usage reports them, None where it reports none).
     per_request: list[list[float | None]] = field(default_factory=list)
+    ttft_p99_with_lost_ms: float = float("nan")  # the lost counted as infinitely slow
 
     def one_line(self) -> str:
         return (f"hit {self.hit_rate:.3f} · TTFT p50 {self.ttft_ms['p50']:.0f} ms "
@@ -77,6 +79,24 @@ def _stats(values: Sequence[float]) -> dict[str, float]:
             "mean": sum(values) / len(values) if values else float("nan")}
 
 
+def percentile_with_lost(completed_ms: Sequence[float], lost: int, q: float) -> float:
+    """The q-th percentile of TTFT over every request, the `lost` ones infinitely slow:
+    infinite once q reaches into them."""
+    ordered = sorted(completed_ms)
+    n = len(ordered) + lost
+    if n == 0:
+        return float("nan")
+    pos = (n - 1) * q / 100.0
+    if math.ceil(pos) >= len(ordered):
+        return math.inf
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _ms(value: float) -> str:
+    return "∞" if math.isinf(value) else f"{value:.0f}"
+
+
 def summarize(case: str, router: str, replicas: int, requests: Sequence[GatewayRequest],
               results: Sequence[RequestResult], duration_s: float, poller: CounterPoller,
               actions: Sequence[str], seed: int = 0) -> CaseRun:
@@ -93,7 +113,8 @@ def summarize(case: str, router: str, replicas: int, requests: Sequence[GatewayR
         worker_shares=poller.shares(), duration_s=duration_s, actions=list(actions),
         errors=list(dict.fromkeys(r.error for r in results if r.error))[:3],
         per_request=[[i, round(r.ttft_s * 1e3, 1), r.prompt_tokens, r.cached_tokens]
-                     for i, r in enumerate(results) if r.ok and r.ttft_s is not None])
+                     for i, r in enumerate(results) if r.ok and r.ttft_s is not None],
+        ttft_p99_with_lost_ms=percentile_with_lost(ttfts, len(results) - len(ok), 99))
 
 
 def fill_ideal_gaps(runs: Sequence[CaseRun]) -> None:
@@ -111,14 +132,15 @@ def print_tables(runs: Sequence[CaseRun], title: str) -> None:
     fill_ideal_gaps(runs)
     table = Table(title=title, title_justify="left")
     for col in ("case", "seed", "router", "hit rate", "below ideal (pts)", "TTFT p50 ms",
-                "TTFT p99 ms",
+                "TTFT p99 ms", "p99, lost = ∞",
                 "e2e p99 ms", "req/s", "done", "lost", "retries", "429s", "worker shares"):
         table.add_column(col, justify="left" if col in ("case", "router") else "right")
     for r in runs:
         table.add_row(
             r.case, str(r.seed), r.router + (f" x{r.replicas}" if r.replicas > 1 else ""),
             f"{r.hit_rate:.3f}", "" if math.isnan(r.ideal_gap_pts) else f"{r.ideal_gap_pts:.1f}",
-            f"{r.ttft_ms['p50']:.0f}", f"{r.ttft_ms['p99']:.0f}", f"{r.e2e_ms['p99']:.0f}",
+            f"{r.ttft_ms['p50']:.0f}", f"{r.ttft_ms['p99']:.0f}", _ms(r.ttft_p99_with_lost_ms),
+            f"{r.e2e_ms['p99']:.0f}",
             f"{r.request_throughput:.2f}", f"{r.completed}/{r.requests}", str(r.lost),
             str(r.retries), str(r.rejections),
             "/".join(f"{s:.2f}" for s in r.worker_shares))
@@ -140,17 +162,20 @@ def print_pooled(runs: Sequence[CaseRun]) -> None:
         return
     table = Table(title="pooled over seeds", title_justify="left")
     for col in ("case", "router", "seeds", "hit rate (mean)", "hit min-max", "below ideal (pts)",
-                "TTFT p50 ms", "TTFT p99 ms", "done", "lost", "retries", "429s"):
+                "TTFT p50 ms", "TTFT p99 ms", "p99, lost = ∞", "done", "lost", "retries",
+                "429s"):
         table.add_column(col, justify="left" if col in ("case", "router") else "right")
     for (case, router, replicas), group in groups.items():
         hits = [r.hit_rate for r in group]
         gaps = [r.ideal_gap_pts for r in group if not math.isnan(r.ideal_gap_pts)]
-        ttft = _stats(sorted(t for r in group for t in r.ttfts_ms))
+        completed = sorted(t for r in group for t in r.ttfts_ms)
+        ttft = _stats(completed)
+        with_lost = percentile_with_lost(completed, sum(r.lost for r in group), 99)
         table.add_row(
             case, router + (f" x{replicas}" if replicas > 1 else ""), str(len(group)),
             f"{sum(hits) / len(hits):.3f}", f"{min(hits):.3f}-{max(hits):.3f}",
             f"{sum(gaps) / len(gaps):.1f}" if gaps else "", f"{ttft['p50']:.0f}",
-            f"{ttft['p99']:.0f}", f"{sum(r.completed for r in group)}/"
+            f"{ttft['p99']:.0f}", _ms(with_lost), f"{sum(r.completed for r in group)}/"
             f"{sum(r.requests for r in group)}", str(sum(r.lost for r in group)),
             str(sum(r.retries for r in group)), str(sum(r.rejections for r in group)))
     Console(width=200).print(table)

@@ -6,15 +6,26 @@ some worker's is unknown). So in overload the backlog waits here, in arrival ord
 workers' queues: a client that leaves costs nothing, and a request that cannot start within
 `queue_timeout_s` (or finds `max_queued` ahead of it) is answered 429 with Retry-After before
 its client's own timeout fires and it resends, which is how a retry storm starts.
+
+A request is refused on arrival, not after waiting out the timeout, when the queue ahead of it
+would take longer than `queue_timeout_s` at the rate slots have been freed over the last
+`RATE_WINDOW_S`; its Retry-After is the time that queue takes to drain, so it comes back when
+the fleet can take it instead of after a fixed second.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+
+RATE_WINDOW_S = 2.0  # slots freed within this window give the service rate
+MIN_RATE_SAMPLES = 8  # fewer freed slots than this in the window: no estimate, just queue
+MAX_RETRY_AFTER_S = 60
 
 
 class Saturated(Exception):
@@ -32,7 +43,8 @@ class Admission:
 
     def __init__(self, max_in_flight: int, max_queued: int, queue_timeout_s: float,
                  retry_after_s: int = 1,
-                 fleet_slots: Callable[[], int | None] | None = None) -> None:
+                 fleet_slots: Callable[[], int | None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if max_in_flight < 1 or max_queued < 0 or queue_timeout_s < 0:
             raise ValueError("max_in_flight >= 1, max_queued >= 0 and queue_timeout_s >= 0")
         self.max_in_flight = max_in_flight
@@ -40,9 +52,11 @@ class Admission:
         self.queue_timeout_s = queue_timeout_s
         self.retry_after_s = retry_after_s
         self.fleet_slots = fleet_slots
+        self.clock = clock
         self.in_flight = 0
         self.rejected = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._freed: deque[float] = deque()  # when slots were freed, within RATE_WINDOW_S
 
     @property
     def limit(self) -> int:
@@ -53,6 +67,20 @@ class Admission:
     @property
     def queued(self) -> int:
         return len(self._waiters)
+
+    def service_rate(self) -> float | None:
+        """Slots freed per second over the last RATE_WINDOW_S; None with too few to tell."""
+        now = self.clock()
+        while self._freed and self._freed[0] < now - RATE_WINDOW_S:
+            self._freed.popleft()
+        if len(self._freed) < MIN_RATE_SAMPLES:
+            return None
+        return len(self._freed) / RATE_WINDOW_S
+
+    def expected_wait_s(self) -> float | None:
+        """How long a request queued now would wait for its slot; None when unknown."""
+        rate = self.service_rate()
+        return None if rate is None else (len(self._waiters) + 1) / rate
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -71,7 +99,11 @@ class Admission:
             return
         if len(self._waiters) >= self.max_queued:
             self.rejected += 1
-            raise Saturated("queue full", self.retry_after_s)
+            raise Saturated("queue full", self._retry_after())
+        wait = self.expected_wait_s()
+        if wait is not None and wait > self.queue_timeout_s:
+            self.rejected += 1
+            raise Saturated("queue wait", self._retry_after(wait))
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
@@ -80,14 +112,23 @@ class Admission:
         except TimeoutError:
             self._abandon(waiter)
             self.rejected += 1
-            raise Saturated("queue timeout", self.retry_after_s) from None
+            raise Saturated("queue timeout", self._retry_after()) from None
         except BaseException:  # cancelled: the client left while queued
             self._abandon(waiter)
             raise
 
     def release(self) -> None:
         self.in_flight -= 1
+        self._freed.append(self.clock())
         self.refresh()
+
+    def _retry_after(self, wait_s: float | None = None) -> int:
+        """Whole seconds until the queue ahead has drained (at least `retry_after_s`)."""
+        if wait_s is None:
+            wait_s = self.expected_wait_s()
+        if wait_s is None:
+            return self.retry_after_s
+        return max(self.retry_after_s, min(MAX_RETRY_AFTER_S, math.ceil(wait_s)))
 
     def refresh(self) -> None:
         """Hand free slots to the longest-waiting requests."""
@@ -99,7 +140,8 @@ class Admission:
 
     def _abandon(self, waiter: asyncio.Future[None]) -> None:
         if waiter.done() and not waiter.cancelled():
-            self.release()  # handed a slot just as it gave up: pass it on
+            self.in_flight -= 1  # handed a slot just as it gave up: pass it on
+            self.refresh()
             return
         waiter.cancel()
         with contextlib.suppress(ValueError):

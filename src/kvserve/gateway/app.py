@@ -54,7 +54,7 @@ class GatewaySettings:
     policy_options: tuple[tuple[str, Any], ...] = ()  # make_policy keyword options
     max_in_flight: int = 256
     max_queued: int = 512
-    queue_timeout_s: float = 2.0
+    queue_timeout_s: float = 1.0
     request_timeout_s: float | None = 600.0
     retry_ratio: float = 0.1
     scrape_interval_s: float = 1.0

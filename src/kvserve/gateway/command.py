@@ -31,9 +31,9 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                         "for cache_aware/precise; an unknown key names the valid ones")
     p.add_argument("--max-in-flight", type=int, default=256,
                    help="requests open upstream at once, fleet-wide; once every worker has "
-                        "been seen full, at most their batch capacity plus half again")
+                        "been seen full, at most their batch capacity plus a quarter")
     p.add_argument("--max-queued", type=int, default=512, help="requests waiting for a slot")
-    p.add_argument("--queue-timeout", type=float, default=2.0,
+    p.add_argument("--queue-timeout", type=float, default=1.0,
                    help="seconds a request may wait for a slot before 429 + Retry-After "
                         "(below the clients' own timeouts, so they back off, not resend)")
     p.add_argument("--retry-ratio", type=float, default=0.1,

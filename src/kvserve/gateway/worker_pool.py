@@ -51,9 +51,9 @@ class WorkerState:
 
 def worker_slots(batch_capacity: int) -> int:
     """Requests kept on a worker that runs `batch_capacity` at once (0: unknown): its batch
-    plus half again waiting, so a finished request is replaced at once without a queue long
-    enough to matter. 0 when the capacity is unknown."""
-    return batch_capacity + max(2, batch_capacity // 2) if batch_capacity > 0 else 0
+    plus a quarter again waiting, so a finished request is replaced at once without a queue
+    long enough to matter. 0 when the capacity is unknown."""
+    return batch_capacity + max(2, batch_capacity // 4) if batch_capacity > 0 else 0
 
 
 @dataclass(slots=True)
