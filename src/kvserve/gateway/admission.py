@@ -9,15 +9,15 @@ its client's own timeout fires and it resends, which is how a retry storm starts
 
 A request is refused on arrival, not after waiting out the timeout, when the queue ahead of it
 would take longer than `queue_timeout_s` at the rate slots have been freed over the last
-`RATE_WINDOW_S`; its Retry-After is the time that queue takes to drain, so it comes back when
-the fleet can take it instead of after a fixed second.
+`RATE_WINDOW_S`. Retry-After stays `retry_after_s` (1 s): telling clients the queue's drain
+time instead was measured to leave the fleet idle while they waited (`kvserve bench gateway`,
+overload, docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -25,7 +25,6 @@ from contextlib import asynccontextmanager
 
 RATE_WINDOW_S = 2.0  # slots freed within this window give the service rate
 MIN_RATE_SAMPLES = 8  # fewer freed slots than this in the window: no estimate, just queue
-MAX_RETRY_AFTER_S = 60
 
 
 class Saturated(Exception):
@@ -99,11 +98,11 @@ class Admission:
             return
         if len(self._waiters) >= self.max_queued:
             self.rejected += 1
-            raise Saturated("queue full", self._retry_after())
+            raise Saturated("queue full", self.retry_after_s)
         wait = self.expected_wait_s()
         if wait is not None and wait > self.queue_timeout_s:
             self.rejected += 1
-            raise Saturated("queue wait", self._retry_after(wait))
+            raise Saturated("queue wait", self.retry_after_s)
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
@@ -112,7 +111,7 @@ class Admission:
         except TimeoutError:
             self._abandon(waiter)
             self.rejected += 1
-            raise Saturated("queue timeout", self._retry_after()) from None
+            raise Saturated("queue timeout", self.retry_after_s) from None
         except BaseException:  # cancelled: the client left while queued
             self._abandon(waiter)
             raise
@@ -121,14 +120,6 @@ class Admission:
         self.in_flight -= 1
         self._freed.append(self.clock())
         self.refresh()
-
-    def _retry_after(self, wait_s: float | None = None) -> int:
-        """Whole seconds until the queue ahead has drained (at least `retry_after_s`)."""
-        if wait_s is None:
-            wait_s = self.expected_wait_s()
-        if wait_s is None:
-            return self.retry_after_s
-        return max(self.retry_after_s, min(MAX_RETRY_AFTER_S, math.ceil(wait_s)))
 
     def refresh(self) -> None:
         """Hand free slots to the longest-waiting requests."""
