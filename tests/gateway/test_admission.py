@@ -129,6 +129,12 @@ def test_a_worker_s_batch_capacity_is_learned_when_it_queues() -> None:
     assert worker.batch_capacity == 16
 
 
+def test_a_kvserve_worker_s_declared_batch_needs_no_queue_to_learn() -> None:
+    worker = WorkerState("http://w")
+    apply_metrics(worker, _exposition(0, 0) + 'kvserve:max_num_seqs{model_name="m"} 16\n')
+    assert worker.batch_capacity == 16
+
+
 def test_fleet_slots_count_healthy_workers_once_all_are_known() -> None:
     pool = WorkerPool(["http://a", "http://b"])
     a, b = pool.get("http://a"), pool.get("http://b")

@@ -1,5 +1,5 @@
-"""In overload the backlog waits at the gateway, not in a worker's queue: once the gateway has
-seen a real kvserve worker full, it keeps no more on it than its batch plus headroom."""
+"""In overload the backlog waits at the gateway, not in a worker's queue: the gateway keeps no
+more on a real kvserve worker than its batch (`kvserve:max_num_seqs`) plus headroom."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ async def _stream(url: str, i: int) -> int:
     return chunks
 
 
-def test_the_backlog_waits_at_the_gateway_once_the_worker_was_seen_full(
+def test_the_backlog_waits_at_the_gateway_not_at_the_worker(
         tiny_model: Path, proc_logs: Path) -> None:
     with running_workers(tiny_model, proc_logs, 1, ["--max-num-seqs", str(BATCH)]) as (worker,), \
             running_gateway([worker.url], proc_logs, ["--queue-timeout", "120"]) as gateway:
@@ -36,12 +36,11 @@ def test_the_backlog_waits_at_the_gateway_once_the_worker_was_seen_full(
             return process.metrics().value(name, **labels)
 
         async def flood() -> list[int]:
-            # Nothing is known of the worker yet: the first wave all goes upstream, and the
-            # worker queues what its batch cannot run. A scrape sees it full.
+            # The first wave fills the batch and its headroom.
             first = [asyncio.create_task(_stream(gateway.url, i)) for i in range(WAVE)]
             await asyncio.to_thread(
                 wait_until, lambda: value(gateway, "kvserve:gateway_admission_limit")
-                == worker_slots(BATCH), 30.0, "the gateway to learn the worker's batch")
+                == worker_slots(BATCH), 30.0, "the gateway to know the worker's batch")
             # The second wave waits at the gateway instead of joining the worker's queue.
             second = [asyncio.create_task(_stream(gateway.url, WAVE + i)) for i in range(WAVE)]
             await asyncio.to_thread(

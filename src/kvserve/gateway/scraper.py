@@ -5,7 +5,7 @@ vLLM's; SGLang's under its own names where they differ), so the policies see que
 usage with at most one interval of staleness.
 
 A worker's exposition runs to hundreds of lines (histograms, per-reason counters) of which the
-gateway needs seven series: `read_series` looks only at the lines that name one, instead of
+gateway needs eight series: `read_series` looks only at the lines that name one, instead of
 parsing every family (prometheus_client's parser took 2.5 ms of the gateway's CPU per scrape
 of a kvserve worker, this 0.1 ms).
 """
@@ -26,6 +26,7 @@ _SERIES = {
     "vllm:num_requests_running": "num_running",
     "vllm:num_requests_waiting": "num_waiting",
     "vllm:kv_cache_usage_perc": "kv_usage",
+    "kvserve:max_num_seqs": "batch_capacity",
     "vllm:prefix_cache_queries": "prefix_queries",
     "vllm:prefix_cache_hits": "prefix_hits",
     "sglang:num_running_reqs": "num_running",
@@ -99,7 +100,9 @@ def apply_metrics(worker: WorkerState, text: str) -> bool:
     totals = read_series(text)
     worker.num_running = int(totals.get("num_running", worker.num_running))
     worker.num_waiting = int(totals.get("num_waiting", worker.num_waiting))
-    if worker.num_waiting > 0:  # full: what runs now is as much as it runs at once
+    if "batch_capacity" in totals:  # a kvserve worker says it
+        worker.batch_capacity = int(totals["batch_capacity"])
+    elif worker.num_waiting > 0:  # full: what runs now is as much as it runs at once
         worker.batch_capacity = max(worker.batch_capacity, worker.num_running)
     worker.kv_usage = totals.get("kv_usage", worker.kv_usage)
     worker.kv_capacity_tokens = int(totals.get("kv_capacity_tokens", worker.kv_capacity_tokens))

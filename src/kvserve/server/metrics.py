@@ -63,6 +63,9 @@ class EngineCollector(Collector):
                     stats.num_running)
         yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
                     stats.num_waiting)
+        yield gauge("kvserve:max_num_seqs", "Requests the running batch holds at most "
+                    "(--max-num-seqs): what a gateway keeps in flight here, plus headroom.",
+                    self.engine.engine.core.scheduler.config.max_num_seqs)
         yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full; evictable cached "
                     "blocks count as free).", kv.usage)
         yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
