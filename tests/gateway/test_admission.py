@@ -175,11 +175,25 @@ def test_a_queue_longer_than_the_timeout_is_refused_at_once() -> None:
         assert info.value.reason == "queue wait" and info.value.retry_after_s == 1
         assert admission.queued == 5 and admission.rejected == 1
         clock.now += 10.0  # the rate's window is stale: no estimate, so it queues again
+        assert admission.service_rate() is None
         late = asyncio.create_task(admission.acquire())
         await _settle()
         assert admission.queued == 6
         for task in [*queued, late]:
             task.cancel()
         await asyncio.gather(*queued, late, return_exceptions=True)
+
+    run(scenario())
+
+
+def test_the_rate_window_stays_bounded_without_a_queue() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        admission = Admission(4, 8, 1.0, clock=clock)
+        for _ in range(10_000):  # hours of traffic that never queues
+            await admission.acquire()
+            clock.now += 0.01
+            admission.release()
+        assert len(admission._freed) <= 2.0 / 0.01 + 1
 
     run(scenario())

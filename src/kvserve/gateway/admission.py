@@ -67,11 +67,13 @@ class Admission:
     def queued(self) -> int:
         return len(self._waiters)
 
-    def service_rate(self) -> float | None:
-        """Slots freed per second over the last RATE_WINDOW_S; None with too few to tell."""
-        now = self.clock()
+    def _forget_old_frees(self, now: float) -> None:
         while self._freed and self._freed[0] < now - RATE_WINDOW_S:
             self._freed.popleft()
+
+    def service_rate(self) -> float | None:
+        """Slots freed per second over the last RATE_WINDOW_S; None with too few to tell."""
+        self._forget_old_frees(self.clock())
         if len(self._freed) < MIN_RATE_SAMPLES:
             return None
         return len(self._freed) / RATE_WINDOW_S
@@ -118,7 +120,9 @@ class Admission:
 
     def release(self) -> None:
         self.in_flight -= 1
-        self._freed.append(self.clock())
+        now = self.clock()
+        self._freed.append(now)
+        self._forget_old_frees(now)  # bounded by the window's throughput
         self.refresh()
 
     def refresh(self) -> None:
