@@ -212,8 +212,9 @@ async def _first_token_or_timeout(task: asyncio.Task[None], attempt: _Attempt,
     if task in done:
         task.result()  # raises _Rejected / _Failed
         return
-    if not done:
+    if not done and attempt.ttft_s is None:
         raise TimeoutError
+    # else the first token arrived in the loop turn the timeout fired: the attempt goes on
 
 
 @dataclass(frozen=True, slots=True)

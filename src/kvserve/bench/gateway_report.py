@@ -12,6 +12,7 @@ success by the deadline or the retry limit), retries (timed-out or failed attemp
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -52,6 +53,7 @@ class CaseRun:
     # (the tokens as the worker's usage reports them, None where it reports none).
     per_request: list[list[float | None]] = field(default_factory=list)
     ttft_p99_with_lost_ms: float = float("nan")  # the lost counted as infinitely slow
+    lost_by_error: dict[str, int] = field(default_factory=dict)  # why each lost one was
 
     def one_line(self) -> str:
         return (f"hit {self.hit_rate:.3f} · TTFT p50 {self.ttft_ms['p50']:.0f} ms "
@@ -114,7 +116,8 @@ def summarize(case: str, router: str, replicas: int, requests: Sequence[GatewayR
         errors=list(dict.fromkeys(r.error for r in results if r.error))[:3],
         per_request=[[i, round(r.ttft_s * 1e3, 1), r.prompt_tokens, r.cached_tokens]
                      for i, r in enumerate(results) if r.ok and r.ttft_s is not None],
-        ttft_p99_with_lost_ms=percentile_with_lost(ttfts, len(results) - len(ok), 99))
+        ttft_p99_with_lost_ms=percentile_with_lost(ttfts, len(results) - len(ok), 99),
+        lost_by_error=dict(Counter(r.error or "unknown" for r in results if not r.ok)))
 
 
 def fill_ideal_gaps(runs: Sequence[CaseRun]) -> None:
