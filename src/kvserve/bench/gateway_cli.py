@@ -25,12 +25,11 @@ default 1.5x one worker, so 0.75x a fleet of two).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import json
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -44,64 +43,33 @@ from kvserve.bench.gateway_calibrate import (
     print_calibration,
     simulate,
 )
+from kvserve.bench.gateway_cases import CASES, Bench, case_of, kv_bytes_per_token
 from kvserve.bench.gateway_fleet import (
     IDEAL,
-    KVSERVE_GATEWAY,
     Fleet,
     RouterSpec,
-    gateway_stats,
-    make_router,
 )
-from kvserve.bench.gateway_load import (
-    ClientPolicy,
-    CounterPoller,
-    Target,
-    TimedAction,
-    run_open_loop,
-)
-from kvserve.bench.gateway_overhead import OverheadRun, measure_overhead, print_overhead
-from kvserve.bench.gateway_report import CaseRun, print_pooled, print_tables, summarize
+from kvserve.bench.gateway_overhead import OverheadRun, print_overhead
+from kvserve.bench.gateway_report import CaseRun, print_pooled, print_tables
 from kvserve.bench.gateway_workload import (
     BlockTexts,
-    GatewayRequest,
     gateway_requests,
-    ideal_assignment,
     tenant_trace,
     working_set_tokens,
 )
 from kvserve.bench.server_launch import (
     KVSERVE,
     VLLM,
-    CpuReading,
     LaunchError,
     LaunchSpec,
     retry_port_clash,
 )
 from kvserve.gateway.prefix import DEFAULT_BLOCK_CHARS
 from kvserve.sim.client import ClientConfig
-from kvserve.workload import MultiTenantSpec, TraceRequest
+from kvserve.workload import MultiTenantSpec
 
-CASES = ("base", "replicas2", "replicas4", "skew", "overload", "failover", "overhead")
 DEFAULT_ROUTERS = ("ideal,kvserve:prefix_hash,kvserve:cache_aware,kvserve:round_robin,"
                    "sglang:cache_aware,sglang:round_robin")
-
-
-@dataclass(frozen=True, slots=True)
-class Case:
-    name: str
-    replicas: int = 1
-    skewed: bool = False
-    overload: bool = False
-    failover: bool = False
-
-
-def case_of(name: str) -> Case:
-    if name not in CASES:
-        raise ValueError(f"--cases {name!r}: choose from {', '.join(CASES)}")
-    if name.startswith("replicas"):
-        return Case(name, replicas=int(name.removeprefix("replicas")))
-    return Case(name, skewed=name == "skew", overload=name == "overload",
-                failover=name == "failover")
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -163,113 +131,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "(kvserve: `kvserve bench profile --threads 1`) and compare")
     p.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     p.set_defaults(func=run)
-
-
-def kv_bytes_per_token(model_dir: Path) -> int:
-    """float32 K and V of every layer for one token, as the workers size their cache."""
-    import torch
-
-    from kvserve.model import ModelConfig, kv_cache_bytes_per_block
-
-    config = ModelConfig.from_file(model_dir / "config.json")
-    return kv_cache_bytes_per_block(config, 1, torch.float32)
-
-
-class Bench:
-    """Everything one invocation shares: the fleet, the workload, the output console."""
-
-    def __init__(self, args: argparse.Namespace, fleet: Fleet, spec: MultiTenantSpec,
-                 texts: BlockTexts, model: str, log_dir: Path, err: Console) -> None:
-        self.args, self.fleet, self.spec, self.texts = args, fleet, spec, texts
-        self.model, self.log_dir, self.err = model, log_dir, err
-        self.gateway_args = [f"--max-in-flight={args.gateway_max_in_flight}",
-                             f"--queue-timeout={args.gateway_queue_timeout}", *args.gateway_arg]
-
-    def trace_for(self, case: Case, seed: int) -> list[TraceRequest]:
-        spec = replace(self.spec, seed=seed)
-        if case.skewed:
-            spec = replace(spec, skew=self.args.skew)
-        if case.overload:
-            spec = replace(spec, rate_per_s=spec.rate_per_s * self.args.overload)
-        return tenant_trace(spec)
-
-    def client_policy(self, case: Case) -> ClientPolicy:
-        return ClientPolicy(ttft_timeout_s=self.args.ttft_timeout if case.overload else None,
-                            max_retries=self.args.max_retries, deadline_s=self.args.deadline)
-
-    def overhead(self, router: RouterSpec, prompts: list[str]) -> OverheadRun:
-        """The overhead case for one router (`ideal`: straight to the workers)."""
-        proc = None if router.kind == IDEAL else make_router(
-            router, self.fleet.urls, self.log_dir, self.gateway_args)
-        self.fleet.fresh()
-        try:
-            if proc is not None:
-                proc.start()
-            entries = self.fleet.urls if proc is None else [proc.url]
-            return measure_overhead(router.label, entries, prompts, self.model)
-        finally:
-            if proc is not None:
-                proc.stop()
-
-    def run(self, case: Case, router: RouterSpec, seed: int) -> CaseRun:
-        requests = gateway_requests(self.trace_for(case, seed), self.texts)
-        urls = self.fleet.urls
-        replicas = [] if router.kind == IDEAL else [
-            make_router(router, urls, self.log_dir, self.gateway_args)
-            for _ in range(case.replicas)]
-        self.fleet.fresh()
-        try:
-            for r in replicas:
-                r.launch()
-            for r in replicas:
-                r.wait_healthy()
-            target = self._target(router, requests, [r.url for r in replicas])
-            policy = self.client_policy(case)
-            actions = self._actions(case, requests)
-            poller = CounterPoller(urls)
-            before = CpuReading.of(replicas, self.fleet.workers)
-            results, duration, log = asyncio.run(
-                _with_poller(poller, run_open_loop(requests, self.model, target, policy,
-                                                   actions)))
-            cpu = CpuReading.of(replicas, self.fleet.workers).per_request_ms(
-                before, len(requests))
-            stats = (gateway_stats([r.url for r in replicas])
-                     if router.kind == KVSERVE_GATEWAY else {})
-        finally:
-            for r in replicas:
-                r.stop()
-        run = summarize(case.name, router.label, case.replicas, requests, results, duration,
-                        poller, log, seed)
-        run.router_stats = stats
-        run.cpu_ms_per_request = cpu
-        return run
-
-    def _target(self, router: RouterSpec, requests: list[GatewayRequest],
-                entries: list[str]) -> Target:
-        urls = self.fleet.urls
-        if router.kind == IDEAL:
-            home = ideal_assignment(requests, len(urls))
-            return lambda req, attempt: urls[(home[req.tenant] + attempt) % len(urls)]
-        rotation = itertools.cycle(entries)  # the plain round-robin balancer
-        return lambda req, attempt: next(rotation)
-
-    def _actions(self, case: Case, requests: list[GatewayRequest]) -> list[TimedAction]:
-        if not case.failover or len(self.fleet.workers) < 2:
-            return []
-        span = requests[-1].arrival_s
-        return [TimedAction(span / 3, "kill worker 1", lambda: self.fleet.kill(1)),
-                TimedAction(2 * span / 3, "restart worker 1", lambda: self.fleet.restart(1))]
-
-
-async def _with_poller(poller: CounterPoller, load: Any) -> Any:
-    stop = asyncio.Event()
-    task = asyncio.create_task(poller.run(stop))
-    try:
-        return await load
-    finally:
-        await asyncio.sleep(1.5)  # let the workers' counters catch up with the last request
-        stop.set()
-        await task
 
 
 def run(args: argparse.Namespace) -> int:
