@@ -12,6 +12,10 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
+    return at_rank(ordered, (len(ordered) - 1) * q / 100.0)
+
+
+def at_rank(ordered: Sequence[float], pos: float) -> float:
+    """The value at fractional rank `pos` of sorted `ordered`, linear between neighbours."""
     lo, hi = math.floor(pos), math.ceil(pos)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)

@@ -22,7 +22,7 @@ from rich.table import Table
 
 from kvserve.bench.gateway_load import CounterPoller, RequestResult
 from kvserve.bench.gateway_workload import GatewayRequest
-from kvserve.percentiles import percentile
+from kvserve.percentiles import at_rank, percentile
 
 
 @dataclass(slots=True)
@@ -89,10 +89,7 @@ def percentile_with_lost(completed_ms: Sequence[float], lost: int, q: float) -> 
     if n == 0:
         return float("nan")
     pos = (n - 1) * q / 100.0
-    if math.ceil(pos) >= len(ordered):
-        return math.inf
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return math.inf if math.ceil(pos) >= len(ordered) else at_rank(ordered, pos)
 
 
 def _ms(value: float) -> str:

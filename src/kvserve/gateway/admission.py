@@ -127,7 +127,8 @@ class Admission:
 
     def refresh(self) -> None:
         """Hand free slots to the longest-waiting requests."""
-        while self._waiters and self.in_flight < self.limit:
+        limit = self.limit
+        while self._waiters and self.in_flight < limit:
             waiter = self._waiters.popleft()
             if not waiter.done():
                 self.in_flight += 1

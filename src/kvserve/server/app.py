@@ -21,7 +21,7 @@ from kvserve.server.kv_pull import KVPuller
 from kvserve.server.limits import BodySizeLimit, EchoRequestId
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvserve.server.serving import SSE_DONE, Serving, sse
+from kvserve.server.serving import SSE_DONE, Serving, sse, unless_client_leaves
 from kvserve.server.settings import ServerSettings, WorkerRole
 
 PREFILL_URL_HEADER = "x-kvserve-prefill-url"
@@ -226,33 +226,15 @@ async def _first_or_error(events, raw: Request):  # type: ignore[no-untyped-def]
     aborts the request at once, freeing its place and blocks: nothing reads the response yet,
     so without this watch the engine would compute a prompt nobody waits for, which is what
     turns clients that time out and resend into a retry storm."""
-    first = asyncio.ensure_future(_next(events))
-    left = asyncio.ensure_future(_client_left(raw))
     try:
-        await asyncio.wait({first, left}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        left.cancel()
-        if not first.done():
-            first.cancel()  # ends the stream: its pumps cancel, which aborts the engine requests
-            await asyncio.gather(first, return_exceptions=True)
-    if first.cancelled():
-        raise APIError(499, "client disconnected before the first token",
-                       err_type="client_closed_request")
-    try:
-        return first.result()
+        return await unless_client_leaves(raw, asyncio.ensure_future(_next(events)),
+                                          "client disconnected before the first token")
     except StopAsyncIteration:
         return None
 
 
 async def _next(events):  # type: ignore[no-untyped-def]
     return await events.__anext__()
-
-
-async def _client_left(raw: Request) -> None:
-    """Return when the client disconnects (the body is already read: the next message the
-    server has for this request is the disconnect)."""
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass
 
 
 async def _chain(pending, events):  # type: ignore[no-untyped-def]

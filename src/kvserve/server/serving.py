@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from fastapi import Request
 
@@ -38,6 +39,7 @@ def sse(data: object) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+T = TypeVar("T")
 
 
 class Serving:
@@ -170,12 +172,29 @@ class Serving:
                 if output.finished:
                     finals[idx] = output
 
-        task = asyncio.ensure_future(run())
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.5)
-            if not task.done() and await raw.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise APIError(499, "client disconnected", err_type="client_closed_request")
-        task.result()
+        await unless_client_leaves(raw, asyncio.ensure_future(run()), "client disconnected")
         return [finals[i] for i in range(len(prompts))]
+
+
+async def client_left(raw: Request) -> None:
+    """Return when the client disconnects (the body is already read: the next message the
+    server has for this request is the disconnect)."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_client_leaves(raw: Request, task: asyncio.Future[T], message: str) -> T:
+    """`task`'s result, unless the client disconnects first: then `task` is cancelled (which
+    aborts the engine requests it runs, freeing their blocks) and APIError 499 is raised."""
+    left = asyncio.ensure_future(client_left(raw))
+    either: set[asyncio.Future[Any]] = {task, left}
+    try:
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        left.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise APIError(499, message, err_type="client_closed_request")
+    return task.result()
