@@ -114,6 +114,22 @@ def test_deadline_expires_waiting_and_running_requests():
     assert_clean(rig)
 
 
+def test_first_token_deadline_ends_only_requests_without_a_token():
+    # One sequence at a time, 4 tokens a step: "first" prefills in 2 steps (t=0.00, 0.01) and
+    # has its first token by t=0.02; "queued" waits behind it and has none by its deadline.
+    rig = make_rig(budget=4, max_num_seqs=1)
+    long = SamplingParams(max_tokens=20, temperature=0)
+    rig.core.add_request(request("first", list(range(1, 9)), long, first_token_deadline=0.025))
+    rig.core.add_request(request("queued", list(range(1, 9)), long, first_token_deadline=0.025))
+    rig.drain()
+    assert rig.finished["queued"].finish_reason is FinishReason.TIMEOUT
+    assert rig.tokens.get("queued", []) == []
+    # the deadline no longer applies once a token is out: "first" runs to its length
+    assert rig.finished["first"].finish_reason is FinishReason.LENGTH
+    assert rig.tokens["first"] == reference_generate(list(range(1, 9)), 20)
+    assert_clean(rig)
+
+
 def test_prompts_that_can_never_run_are_refused_up_front():
     rig = make_rig(num_blocks=4, block_size=4, max_model_len=100)
     with pytest.raises(ValueError, match="too long"):

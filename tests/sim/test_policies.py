@@ -63,3 +63,21 @@ def test_workers_can_carry_a_real_gateways_ids() -> None:
     assert {w.worker_id: w.routed for w in result.workers} == expected
     with pytest.raises(ValueError, match="distinct"):
         run(workload, workers=2, worker_ids=("a", "a"))
+
+
+def test_the_latency_limit_holds_back_what_the_workers_cannot_answer_in_time() -> None:
+    # The gateway knows no batch size (a vLLM fleet before a scrape saw it full): 256 may go
+    # upstream, so without the latency limit the workers queue what they cannot start before
+    # the clients' 5 s timeout, and those time out after admission and resend.
+    spec = MultiTenantSpec(num_tenants=8, num_requests=120, rate_per_s=2.0, skew=0.0, seed=3)
+    workload = load_workload("multi-tenant", spec=spec)
+    common = dict(workers=2, capacity=80_000, block_size=64, profile=H100,
+                  client=ClientConfig.retrying(5.0, 3))
+    slots_only = run(workload, backpressure=Backpressure(latency_limit=False),
+                     **common)  # type: ignore[arg-type]
+    limited = run(workload, backpressure=Backpressure(), **common)  # type: ignore[arg-type]
+    assert slots_only.audit_ok and limited.audit_ok
+    assert limited.num_retries * 2 < slots_only.num_retries
+    assert limited.num_gave_up * 4 < slots_only.num_gave_up
+    assert limited.num_ok > 3 * slots_only.num_ok
+    assert limited.num_throttled > 0  # the rest waited at the gateway, then backed off

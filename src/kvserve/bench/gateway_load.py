@@ -7,7 +7,9 @@ streaming, with the tenant in `X-Tenant-Id`. Clients behave like production ones
 - a failed attempt (connection refused or reset, an error before or during the stream) is resent
   after `error_backoff_s`, at most `max_retries` times;
 - with `ttft_timeout_s`, an attempt with no first token by then is abandoned (the connection is
-  closed, which is all a client can do) and resent, counted against `max_retries`: the retry storm;
+  closed, which is all a client can do) and resent, counted against `max_retries`: the retry storm.
+  Each attempt says that timeout in `x-stainless-read-timeout`, as the OpenAI SDKs send their
+  read timeout (a router or worker may act on it; none has to);
 - a request not done `deadline_s` after its arrival is lost.
 
 TTFT and end-to-end latency are what the user sees: from the request's first send to the first
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvserve.bench.gateway_workload import GatewayRequest
+from kvserve.client_timeout import SDK_TIMEOUT_HEADER
 from kvserve.gateway.scraper import apply_metrics
 from kvserve.gateway.worker_pool import WorkerState
 
@@ -91,8 +94,11 @@ class _Attempt:
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, object],
                   tenant: str, started: float, attempt: _Attempt,
-                  default_retry_after_s: float) -> None:
+                  policy: ClientPolicy) -> None:
+    default_retry_after_s = policy.default_retry_after_s
     headers = {"X-Tenant-Id": tenant}
+    if policy.ttft_timeout_s is not None:
+        headers[SDK_TIMEOUT_HEADER] = str(float(policy.ttft_timeout_s))
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body,
                                  headers=headers) as resp:
@@ -154,8 +160,7 @@ async def send_request(client: httpx.AsyncClient, request: GatewayRequest, model
         result.attempts += 1
         attempt = _Attempt()
         task = asyncio.create_task(_stream(client, target(request, attempt_no), body,
-                                           request.tenant, started, attempt,
-                                           policy.default_retry_after_s))
+                                           request.tenant, started, attempt, policy))
         try:
             await _first_token_or_timeout(task, attempt, policy, started, remaining)
             await asyncio.wait_for(asyncio.shield(task), deadline - time.perf_counter())

@@ -1,9 +1,12 @@
 """An OpenAI-compatible stand-in worker that does no model work, for measuring a router alone.
 
-`python -m kvserve.bench.stub_worker --port P [--tokens N] [--token-interval S]` answers:
+`python -m kvserve.bench.stub_worker --port P [--tokens N] [--token-interval S]
+[--first-token-delay D]` answers:
 - `POST /v1/completions` and `/v1/chat/completions`: streamed (`"stream": true`) as N SSE chunks
   S seconds apart (a decode step; each chunk its own write, as a worker sends them), a usage
-  chunk and `[DONE]`; otherwise one JSON body;
+  chunk and `[DONE]`; otherwise one JSON body. The first token comes D seconds after the
+  request (a prefill; a streamed answer's headers go first, as vLLM sends them). It ignores
+  every timeout header, as vLLM and SGLang do;
 - `GET /health`, `GET /v1/models` (root "stub": no tokenizer to find) and `GET /metrics`: the
   vLLM-named series a router scrapes, with an idle queue and a 16,384-token cache.
 
@@ -47,9 +50,11 @@ def _frame(chunk: bytes) -> bytes:
 class StubServer:
     """Serves connections (keep-alive) with `tokens` output tokens a completion."""
 
-    def __init__(self, tokens: int, token_interval_s: float) -> None:
+    def __init__(self, tokens: int, token_interval_s: float,
+                 first_token_delay_s: float = 0.0) -> None:
         self.tokens = tokens
         self.token_interval_s = token_interval_s
+        self.first_token_delay_s = first_token_delay_s
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError,
@@ -87,6 +92,7 @@ class StubServer:
                  "total_tokens": prompt_tokens + self.tokens,
                  "prompt_tokens_details": {"cached_tokens": 0}}
         if not request.get("stream"):
+            await asyncio.sleep(self.first_token_delay_s)
             choice = ({"index": 0, "message": {"role": "assistant", "content": " x" * self.tokens},
                        "finish_reason": "length"} if chat else
                       {"index": 0, "text": " x" * self.tokens, "finish_reason": "length"})
@@ -97,6 +103,8 @@ class StubServer:
             return
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                      b"Transfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(self.first_token_delay_s)
         for i in range(self.tokens):
             delta = {"delta": {"content": " x"}} if chat else {"text": " x"}
             writer.write(_frame(_event({"id": "stub", "model": "stub", "choices": [
@@ -108,9 +116,10 @@ class StubServer:
                                     "usage": usage})) + _frame(b"data: [DONE]\n\n") + b"0\r\n\r\n")
 
 
-async def _serve(port: int, tokens: int, token_interval_s: float) -> None:
-    server = await asyncio.start_server(StubServer(tokens, token_interval_s).handle,
-                                        "127.0.0.1", port)
+async def _serve(port: int, tokens: int, token_interval_s: float,
+                 first_token_delay_s: float) -> None:
+    server = await asyncio.start_server(
+        StubServer(tokens, token_interval_s, first_token_delay_s).handle, "127.0.0.1", port)
     async with server:
         await server.serve_forever()
 
@@ -118,14 +127,17 @@ async def _serve(port: int, tokens: int, token_interval_s: float) -> None:
 class StubWorker(ManagedProcess):
     """One stub worker process."""
 
-    def __init__(self, index: int, tokens: int, token_interval_s: float, log_dir: Path) -> None:
+    def __init__(self, index: int, tokens: int, token_interval_s: float, log_dir: Path,
+                 first_token_delay_s: float = 0.0) -> None:
         super().__init__(f"stub-worker-{index}", log_dir, startup_timeout_s=30.0)
         self.tokens = tokens
         self.token_interval_s = token_interval_s
+        self.first_token_delay_s = first_token_delay_s
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         return ([sys.executable, "-m", "kvserve.bench.stub_worker", "--port", str(self.port),
-                 "--tokens", str(self.tokens), "--token-interval", str(self.token_interval_s)],
+                 "--tokens", str(self.tokens), "--token-interval", str(self.token_interval_s),
+                 "--first-token-delay", str(self.first_token_delay_s)],
                 dict(os.environ))
 
 
@@ -136,11 +148,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=16, help="output tokens a completion")
     p.add_argument("--token-interval", type=float, default=0.005,
                    help="seconds between two streamed tokens")
+    p.add_argument("--first-token-delay", type=float, default=0.0,
+                   help="seconds from a request to its first token")
     args = p.parse_args(argv)
-    if args.tokens < 1 or not 0 <= args.token_interval <= 10:
-        p.error("--tokens must be >= 1 and --token-interval within 0-10 s")
+    if args.tokens < 1 or not 0 <= args.token_interval <= 10 \
+            or not 0 <= args.first_token_delay <= 600:
+        p.error("--tokens must be >= 1, --token-interval within 0-10 s and "
+                "--first-token-delay within 0-600 s")
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(args.port, args.tokens, args.token_interval))
+        asyncio.run(_serve(args.port, args.tokens, args.token_interval,
+                           args.first_token_delay))
 
 
 if __name__ == "__main__":

@@ -62,6 +62,9 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = 0.0
     deadline: float | None = None  # absolute, on the engine's clock
+    # Absolute, on the engine's clock: the request ends (TIMEOUT) if it has no output token by
+    # then; its client stops waiting for a first token that comes later.
+    first_token_deadline: float | None = None
     cache_salt: str | None = None
     group_id: str | None = None
     output_token_ids: list[int] = field(default_factory=list)

@@ -270,7 +270,9 @@ class Scheduler:
 
     def _expire(self, now: float, out: SchedulerOutput) -> None:
         expired = [r for r in (*self.running, *self.waiting)
-                   if r.deadline is not None and now >= r.deadline]
+                   if (r.deadline is not None and now >= r.deadline)
+                   or (r.first_token_deadline is not None and not r.output_token_ids
+                       and now >= r.first_token_deadline)]
         for request in expired:
             self.finish(request, FinishReason.TIMEOUT)
             out.finished.append(request)

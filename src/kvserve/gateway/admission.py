@@ -12,6 +12,11 @@ would take longer than `queue_timeout_s` at the rate slots have been freed over 
 `RATE_WINDOW_S`. Retry-After stays `retry_after_s` (1 s): telling clients the queue's drain
 time instead was measured to leave the fleet idle while they waited (`kvserve bench gateway`,
 overload, docs/benchmarks.md).
+
+A request whose client said how long it waits (`kvserve.client_timeout`) waits here at most
+half of what is left of that, so the worker has the other half to answer. With `latency` the
+limit is also at most that AIMD limit (`latency_limit.py`), which falls when admitted requests
+start answering late and so bounds a fleet whose batch capacity says nothing of its speed.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+
+from kvserve.gateway.latency_limit import LatencyLimit
 
 RATE_WINDOW_S = 2.0  # slots freed within this window give the service rate
 MIN_RATE_SAMPLES = 8  # fewer freed slots than this in the window: no estimate, just queue
@@ -43,6 +50,7 @@ class Admission:
     def __init__(self, max_in_flight: int, max_queued: int, queue_timeout_s: float,
                  retry_after_s: int = 1,
                  fleet_slots: Callable[[], int | None] | None = None,
+                 latency: LatencyLimit | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_in_flight < 1 or max_queued < 0 or queue_timeout_s < 0:
             raise ValueError("max_in_flight >= 1, max_queued >= 0 and queue_timeout_s >= 0")
@@ -51,6 +59,7 @@ class Admission:
         self.queue_timeout_s = queue_timeout_s
         self.retry_after_s = retry_after_s
         self.fleet_slots = fleet_slots
+        self.latency = latency
         self.clock = clock
         self.in_flight = 0
         self.rejected = 0
@@ -60,8 +69,11 @@ class Admission:
     @property
     def limit(self) -> int:
         """Requests allowed in flight now."""
+        limit = self.max_in_flight
         fleet = self.fleet_slots() if self.fleet_slots is not None else None
-        return self.max_in_flight if fleet is None else max(1, min(self.max_in_flight, fleet))
+        if fleet is not None:
+            limit = max(1, min(limit, fleet))
+        return limit if self.latency is None else min(limit, self.latency.limit)
 
     @property
     def queued(self) -> int:
@@ -92,31 +104,57 @@ class Admission:
         finally:
             self.release()
 
-    async def acquire(self) -> None:
-        """Take a slot (a streamed response releases it when the stream ends); raises
-        Saturated when none comes within the queue limits."""
+    async def acquire(self, deadline: float | None = None) -> int:
+        """Take a slot (a streamed response releases it when the stream ends) and return the
+        latency limit's generation to report the first byte with; raises Saturated when none
+        comes within the queue limits. `deadline` (on `clock`): when the client gives up."""
         if not self._waiters and self.in_flight < self.limit:
             self.in_flight += 1
-            return
+            return self.generation
         if len(self._waiters) >= self.max_queued:
             self.rejected += 1
             raise Saturated("queue full", self.retry_after_s)
+        max_wait, reason = self.queue_timeout_s, "queue timeout"
+        if deadline is not None and (deadline - self.clock()) / 2 < max_wait:
+            max_wait, reason = max(0.0, (deadline - self.clock()) / 2), "deadline"
         wait = self.expected_wait_s()
-        if wait is not None and wait > self.queue_timeout_s:
+        if wait is not None and wait > max_wait:
             self.rejected += 1
             raise Saturated("queue wait", self.retry_after_s)
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
-            async with asyncio.timeout(self.queue_timeout_s):
+            async with asyncio.timeout(max_wait):
                 await waiter
         except TimeoutError:
             self._abandon(waiter)
             self.rejected += 1
-            raise Saturated("queue timeout", self.retry_after_s) from None
+            raise Saturated(reason, self.retry_after_s) from None
         except BaseException:  # cancelled: the client left while queued
             self._abandon(waiter)
             raise
+        return self.generation
+
+    @property
+    def generation(self) -> int:
+        return 0 if self.latency is None else self.latency.generation
+
+    def first_byte(self, generation: int, late: bool) -> None:
+        """A request admitted at `generation` started answering, `late` or in time (it still
+        holds its slot)."""
+        if self.latency is None:
+            return
+        if late:
+            self.latency.on_late(generation, self.in_flight)
+        else:
+            self.latency.on_time(self.in_flight)
+            self.refresh()
+
+    def gave_up(self, generation: int) -> None:
+        """The client of a request admitted at `generation` left before its first byte (it
+        timed out: the fleet answers too slowly for it). Call before `release`."""
+        if self.latency is not None:
+            self.latency.on_late(generation, self.in_flight)
 
     def release(self) -> None:
         self.in_flight -= 1

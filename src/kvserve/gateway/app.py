@@ -19,6 +19,7 @@ from tokenizers import Tokenizer
 from kvserve.gateway.admission import Admission
 from kvserve.gateway.forward import Forwarder
 from kvserve.gateway.kv_events import DEFAULT_MIN_POLL_INTERVAL_S, EventFollower
+from kvserve.gateway.latency_limit import LatencyLimit
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import (
     CapacityAware,
@@ -59,6 +60,8 @@ class GatewaySettings:
     retry_ratio: float = 0.1
     scrape_interval_s: float = 1.0
     max_body_bytes: int = 8 * 1024 * 1024
+    latency_limit: bool = True  # the AIMD limit from late first bytes (`latency_limit.py`)
+    ttft_target_s: float | None = None  # a first byte later than this is late for that limit
     tenancy: Tenancy = field(default_factory=Tenancy)
     tokenizer: str | None = None  # the workers' tokenizer, for exact keys (`precise`)
     block_size: int = 16  # the workers' KV block size, for exact keys
@@ -106,8 +109,12 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                              "--decode-worker; drop the plain --worker URLs")
         for url, worker in pool.workers.items():
             worker.role = disagg.role_of(url)
+    latency = (LatencyLimit(settings.max_in_flight,
+                            floor=min(len(settings.workers), settings.max_in_flight))
+               if settings.latency_limit else None)
     admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s,
-                          fleet_slots=lambda: pool.fleet_slots(time.monotonic()))
+                          fleet_slots=lambda: pool.fleet_slots(time.monotonic()),
+                          latency=latency)
     budget = RetryBudget(ratio=settings.retry_ratio)
     keys = ExactKeys(settings.tokenizer, settings.block_size, settings.policy == "precise")
     metrics = GatewayMetrics(pool, admission, budget, keys)
@@ -195,6 +202,6 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
             for w in pool.workers.values()]}
 
     proxy = ProxyEndpoint(forwarder, admission, metrics, settings.tenancy, keys, capacity,
-                          settings.max_body_bytes)
+                          settings.max_body_bytes, settings.ttft_target_s)
     return GatewayApp(proxy, app)
 

@@ -36,6 +36,13 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-timeout", type=float, default=1.0,
                    help="seconds a request may wait for a slot before 429 + Retry-After "
                         "(below the clients' own timeouts, so they back off, not resend)")
+    p.add_argument("--latency-limit", action=argparse.BooleanOptionalAction, default=True,
+                   help="also limit requests in flight by whether they start answering in "
+                        "time (AIMD: cut when a first byte is late or a client leaves before "
+                        "it); a late first byte is one past 3/4 of the client's timeout "
+                        "(x-kvserve-timeout, x-stainless-read-timeout) or --ttft-target")
+    p.add_argument("--ttft-target", type=float, default=None, metavar="S",
+                   help="a first byte later than S seconds is late, whatever the client said")
     p.add_argument("--retry-ratio", type=float, default=0.1,
                    help="retries may add at most this fraction of the request rate")
     p.add_argument("--tenant-header", default="X-Tenant-Id")
@@ -57,6 +64,9 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
 
 def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] | None = None,
               decode: list[str] | None = None) -> GatewaySettings:
+    if args.ttft_target is not None and not args.ttft_target > 0:
+        raise ValueError(f"--ttft-target must be a positive number of seconds, got "
+                         f"{args.ttft_target}")
     if not 0.0 <= args.kv_events_min_interval <= 60.0:
         raise ValueError("--kv-events-min-interval must be between 0 and 60 seconds, got "
                          f"{args.kv_events_min_interval}")
@@ -68,6 +78,7 @@ def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] |
         policy_options=tuple(parse_policy_options(args.policy_option).items()),
         max_in_flight=args.max_in_flight, max_queued=args.max_queued,
         queue_timeout_s=args.queue_timeout, retry_ratio=args.retry_ratio,
+        latency_limit=args.latency_limit, ttft_target_s=args.ttft_target,
         tenancy=Tenancy.from_specs(args.share_group, args.tenant_header, args.salt_secret),
         tokenizer=args.tokenizer, block_size=args.block_size, admin_key=args.admin_key,
         events_min_interval_s=args.kv_events_min_interval,

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.client_timeout import TIMEOUT_HEADER, format_timeout
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import (
     DisaggregatedRouter,
@@ -56,7 +57,7 @@ class Upstream:
         finally:
             await self.close()
 
-    async def iter_raw(self) -> AsyncIterator[bytes]:
+    async def iter_raw(self) -> AsyncGenerator[bytes, None]:
         """The body as it arrives; closing early closes the upstream connection, which the
         worker sees as a disconnect (and aborts the request, freeing its blocks)."""
         try:
@@ -95,8 +96,10 @@ class Forwarder:
         self.read_timeout_s = request_timeout_s  # per read, as httpx's read timeout
 
     async def open(self, path: str, body: dict[str, Any], headers: dict[str, str],
-                   route: RouteRequest, started: float) -> Upstream:
-        """The first worker (in ranked order) that accepts the request."""
+                   route: RouteRequest, started: float,
+                   deadline: float | None = None) -> Upstream:
+        """The first worker (in ranked order) that accepts the request. With `deadline` (on
+        time.monotonic), each attempt tells the worker the seconds left (TIMEOUT_HEADER)."""
         now = time.monotonic()
         self.budget.on_request(now)
         prefill_url: str | None = None
@@ -148,8 +151,10 @@ class Forwarder:
             backlog = route.uncached_tokens(
                 prefill_hit_blocks if attempt == 0 or prefill is not None else 0)
             computing.prefill_backlog_tokens += backlog
+            sent = headers if deadline is None else {
+                **headers, TIMEOUT_HEADER: format_timeout(deadline - time.monotonic())}
             try:
-                response = await self.client.post(f"{url}{path}", payload, headers,
+                response = await self.client.post(f"{url}{path}", payload, sent,
                                                   self.read_timeout_s)
             except UpstreamError as exc:
                 worker.in_flight -= 1

@@ -27,7 +27,7 @@ class PoolCollector(Collector):
         self.admission = admission
         self.budget = budget
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         healthy = GaugeMetricFamily("kvserve:gateway_worker_healthy", "1 if the worker takes "
                                     "traffic.", labels=["worker"])
         in_flight = GaugeMetricFamily("kvserve:gateway_worker_in_flight", "Requests the gateway "
@@ -67,6 +67,18 @@ class PoolCollector(Collector):
                                   "capacity is known.")
         limit.add_metric([], self.admission.limit)
         yield limit
+        latency = self.admission.latency
+        if latency is not None:
+            adaptive = GaugeMetricFamily("kvserve:gateway_latency_limit", "The AIMD limit on "
+                                         "requests in flight, from whether they start "
+                                         "answering within their clients' timeouts.")
+            adaptive.add_metric([], latency.limit)
+            yield adaptive
+            cuts = CounterMetricFamily("kvserve:gateway_latency_limit_cuts", "Times the "
+                                       "latency limit was cut: a late first byte, or a client "
+                                       "that left before its first byte.")
+            cuts.add_metric([], latency.cuts)
+            yield cuts
         balance = GaugeMetricFamily("kvserve:gateway_retry_budget_balance", "Retries available.")
         balance.add_metric([], self.budget.balance)
         yield balance
@@ -117,6 +129,10 @@ class GatewayMetrics:
                                     "by the retry budget.", registry=reg)
         self.rejections = Counter("kvserve:gateway_rejections", "Requests answered 429/503 by "
                                   "the gateway.", ["reason"], registry=reg)
+        self.deadline_expired = Counter("kvserve:gateway_deadline_expired", "Requests whose "
+                                        "client's timeout passed before the worker started "
+                                        "answering (closed upstream; 504 or an error event), "
+                                        "by what was still awaited.", ["stage"], registry=reg)
         self.upstream_errors = Counter("kvserve:gateway_upstream_errors", "Failed upstream "
                                        "attempts.", ["worker", "kind"], registry=reg)
         self.predicted_hit_blocks = Counter("kvserve:gateway_predicted_hit_blocks", "Prefix "

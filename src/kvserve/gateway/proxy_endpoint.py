@@ -10,7 +10,12 @@ Contract, per request:
   mid-stream, cancels the request: the upstream connection closes, so the worker aborts it and
   frees its blocks, and the admission slot is returned;
 - a worker that fails mid-stream gives the client an error event and the end marker, never a
-  hang; `x-request-id` is echoed on every answer.
+  hang; `x-request-id` is echoed on every answer;
+- a client that says how long it waits (`kvserve.client_timeout`) is answered by then: a
+  worker that has not started answering by its deadline is closed (freeing its blocks) and the
+  client gets a 504, or an error event where the stream had begun; each first byte, and each
+  client that left before one, tells the admission's latency limit whether the fleet answers in
+  time.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.client_timeout import BadTimeout, client_timeout_s
 from kvserve.gateway.admission import Admission, Saturated
 from kvserve.gateway.forward import Forwarder, NoWorkerAvailable, Upstream
+from kvserve.gateway.latency_limit import LATE_FRACTION
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import NoHealthyWorker
 from kvserve.gateway.route_key import route_request_for
@@ -81,6 +88,31 @@ class _TooLarge(Exception):
     pass
 
 
+@dataclass(slots=True)
+class _Budget:
+    """One request's time: when it arrived, its client's timeout (None: not said), and the
+    admission generation it was admitted at (None until admitted)."""
+
+    started: float
+    timeout_s: float | None
+    late_after_s: float | None  # a first byte later than this after `started` is late
+    generation: int | None = None
+    answered: bool = False  # its first byte went to the client
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.timeout_s is None else self.started + self.timeout_s
+
+    def left_s(self) -> float | None:
+        """Seconds until the deadline (negative once passed); None without one."""
+        deadline = self.deadline
+        return None if deadline is None else deadline - time.monotonic()
+
+    def expired_message(self) -> str:
+        return (f"the worker did not start answering within the client's timeout of "
+                f"{self.timeout_s:g} s; the request was cancelled")
+
+
 def _error(status: int, message: str, err_type: str = "invalid_request_error",
            retry_after: str | None = None) -> _Reply:
     extra = ((b"retry-after", retry_after.encode()),) if retry_after else ()
@@ -122,6 +154,7 @@ class ProxyEndpoint:
     keys: ExactKeys
     capacity: TextCapacity | None
     max_body_bytes: int
+    ttft_target_s: float | None = None  # a first byte later than this is late, timeout or not
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.monotonic()
@@ -142,9 +175,18 @@ class ProxyEndpoint:
             return
         if raw is None:  # the client left before sending its body
             return
+        try:
+            timeout_s = client_timeout_s(headers)
+        except BadTimeout as exc:
+            await _send_reply(send, _error(400, str(exc)), echo)
+            return
+        late_after = [t for t in (self.ttft_target_s,
+                                  None if timeout_s is None else timeout_s * LATE_FRACTION)
+                      if t is not None]
+        budget = _Budget(started, timeout_s, min(late_after) if late_after else None)
         watch = _ClientWatch(receive)
         try:
-            await self._serve(scope["path"], raw, headers, started, send, echo)
+            await self._serve(scope["path"], raw, headers, budget, send, echo)
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if not watch.left or (task is not None and task.uncancel() > 0):
@@ -153,9 +195,9 @@ class ProxyEndpoint:
         finally:
             watch.done()
 
-    async def _serve(self, path: str, raw: bytes, headers: dict[str, str], started: float,
+    async def _serve(self, path: str, raw: bytes, headers: dict[str, str], budget: _Budget,
                      send: Send, echo: tuple[tuple[bytes, bytes], ...]) -> None:
-        opened = await self._open(path, raw, headers, started)
+        opened = await self._open(path, raw, headers, budget)
         if isinstance(opened, _Reply):
             await _send_reply(send, opened, echo)
             return
@@ -165,25 +207,73 @@ class ProxyEndpoint:
             status = upstream.response.status_code
             if not content_type.startswith("text/event-stream"):
                 try:
-                    content = await upstream.read()
+                    async with asyncio.timeout(budget.left_s()):
+                        content = await upstream.read()
+                except TimeoutError:
+                    self.metrics.deadline_expired.labels("response").inc()
+                    reply = _error(504, budget.expired_message(), "timeout")
                 except UpstreamError as exc:
                     reply = _error(502, f"worker {upstream.worker_url} failed mid-response: "
                                    f"{type(exc).__name__}", "upstream_error")
                 else:
                     reply = _Reply(status, content, content_type.encode("latin-1"))
+                self._first_byte(budget)
                 await _send_reply(send, reply, echo)
                 return
             await send({"type": "http.response.start", "status": status, "headers": [
                 (b"content-type", content_type.encode("latin-1")), *echo]})
-            await _relay(upstream, send)
+            await self._relay(upstream, send, budget)
+        except asyncio.CancelledError:
+            if budget.generation is not None and not budget.answered:
+                self.admission.gave_up(budget.generation)  # before release: it counts in flight
+            raise
         finally:
             # Both before anything can suspend: once the response is complete the client
             # watch may cancel this task at its next suspension (`_ClientWatch`).
             self.admission.release()
             await upstream.close()  # never suspends
 
+    def _first_byte(self, budget: _Budget) -> None:
+        """The answer started (or the gateway gave up waiting for it): tell admission."""
+        budget.answered = True
+        assert budget.generation is not None
+        late = (budget.late_after_s is not None
+                and time.monotonic() - budget.started > budget.late_after_s)
+        self.admission.first_byte(budget.generation, late)
+
+    async def _relay(self, upstream: Upstream, send: Send, budget: _Budget) -> None:
+        """Pass an SSE stream through, then end the response. A worker that dies mid-stream,
+        or sends nothing before the client's deadline, gives the client an error event and
+        the end marker."""
+        error: dict[str, Any] | None = None
+        chunks = upstream.iter_raw()
+        try:
+            try:
+                async with asyncio.timeout(budget.left_s()):
+                    first = await anext(chunks, None)
+            except TimeoutError:
+                self.metrics.deadline_expired.labels("first_token").inc()
+                error = {"message": budget.expired_message(), "type": "timeout", "code": 504}
+                first = None
+            self._first_byte(budget)
+            if first is not None:
+                await send({"type": "http.response.body", "body": first, "more_body": True})
+                async for chunk in chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except UpstreamError as exc:
+            error = {"message": f"worker {upstream.worker_url} failed mid-stream "
+                     f"({type(exc).__name__}); retry the request", "type": "upstream_error",
+                     "code": 502}
+        finally:
+            await chunks.aclose()
+        if error is not None:
+            event = {"error": {**error, "param": None}}
+            await send({"type": "http.response.body", "more_body": True,
+                        "body": f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()})
+        await send({"type": "http.response.body", "body": b""})
+
     async def _open(self, path: str, raw: bytes, headers: dict[str, str],
-                    started: float) -> Upstream | _Reply:
+                    budget: _Budget) -> Upstream | _Reply:
         """The worker's open response (holding an admission slot the caller releases), or the
         gateway's own answer."""
         try:
@@ -206,13 +296,20 @@ class ProxyEndpoint:
             self.capacity.sample(body["prompt"])
         forwarded = {k: v for k, v in headers.items() if k in FORWARDED_HEADERS}
         try:
-            await self.admission.acquire()
+            budget.generation = await self.admission.acquire(budget.deadline)
         except Saturated as exc:
             self.metrics.rejections.labels(exc.reason).inc()
             return _error(429, f"the fleet is saturated ({exc.reason}); retry after "
                           f"{exc.retry_after_s}s", "rate_limit_error", str(exc.retry_after_s))
         try:
-            return await self.forwarder.open(path, body, forwarded, route, started)
+            async with asyncio.timeout(budget.left_s()):
+                return await self.forwarder.open(path, body, forwarded, route, budget.started,
+                                                 budget.deadline)
+        except TimeoutError:
+            self._first_byte(budget)
+            self.admission.release()
+            self.metrics.deadline_expired.labels("response").inc()
+            return _error(504, budget.expired_message(), "timeout")
         except NoHealthyWorker as exc:
             self.admission.release()
             self.metrics.rejections.labels("no_healthy_worker").inc()
@@ -254,18 +351,3 @@ async def _send_reply(send: Send, reply: _Reply,
         (b"content-type", reply.content_type), (b"content-length", b"%d" % len(reply.body)),
         *reply.headers, *echo]})
     await send({"type": "http.response.body", "body": reply.body})
-
-
-async def _relay(upstream: Upstream, send: Send) -> None:
-    """Pass an SSE stream through, then end the response. A worker that dies mid-stream gives
-    the client an error event and the end marker."""
-    try:
-        async for chunk in upstream.iter_raw():
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    except UpstreamError as exc:
-        error = {"error": {"message": f"worker {upstream.worker_url} failed mid-stream "
-                           f"({type(exc).__name__}); retry the request", "type": "upstream_error",
-                           "param": None, "code": 502}}
-        await send({"type": "http.response.body", "more_body": True,
-                    "body": f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()})
-    await send({"type": "http.response.body", "body": b""})

@@ -151,6 +151,7 @@ class LLMEngine:
         *,
         cache_salt: str | None = None,
         deadline: float | None = None,
+        first_token_deadline: float | None = None,
         arrival_time: float | None = None,
         kv_import: bool = False,
         on_finish: Callable[[RequestOutput], None] | None = None,
@@ -158,7 +159,9 @@ class LLMEngine:
         """Queue a request. Raises ValueError (nothing queued) for an empty or too-long prompt,
         token ids outside the vocabulary, or a request id already in use. `kv_import`: the
         request takes over the open KV import of the same id (kvserve.kvcache.imports; n = 1
-        only). `on_finish(output)` runs on the engine thread with the final output."""
+        only). `on_finish(output)` runs on the engine thread with the final output.
+        `deadline` / `first_token_deadline` (engine clock): the request ends with TIMEOUT when
+        it is not done / has no output token by then."""
         params = params or SamplingParams()
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -178,6 +181,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 arrival_time=arrival,
                 deadline=deadline,
+                first_token_deadline=first_token_deadline,
                 cache_salt=cache_salt,
                 group_id=request_id if params.n > 1 else None,
             )

@@ -21,7 +21,7 @@ from kvserve.server.kv_pull import KVPuller
 from kvserve.server.limits import BodySizeLimit, EchoRequestId
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvserve.server.serving import SSE_DONE, Serving, sse, unless_client_leaves
+from kvserve.server.serving import SSE_DONE, Call, Serving, sse, unless_client_leaves
 from kvserve.server.settings import ServerSettings, WorkerRole
 
 PREFILL_URL_HEADER = "x-kvserve-prefill-url"
@@ -165,7 +165,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
             return JSONResponse(fmt.whole(outputs))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = serving.stream(call, prompts, params, body.cache_salt, pull_from)
-        first = await _first_or_error(events, raw)
+        first = await _first_or_error(events, raw, call)
 
         async def body_stream() -> AsyncIterator[str]:
             finals = {}
@@ -199,7 +199,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
             return JSONResponse(fmt.whole(output))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = serving.stream(call, [prompt], params, body.cache_salt, pull_from)
-        first = await _first_or_error(events, raw)
+        first = await _first_or_error(events, raw, call)
 
         async def body_stream() -> AsyncIterator[str]:
             final = None
@@ -219,18 +219,22 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     return app
 
 
-async def _first_or_error(events, raw: Request):  # type: ignore[no-untyped-def]
-    """Pull the first event before the response starts, so a refused request is still a 4xx.
+async def _first_or_error(events, raw: Request, call: Call):  # type: ignore[no-untyped-def]
+    """Pull the first event before the response starts, so a refused request is still a 4xx
+    (and one the client's deadline ended before its first token a 504).
 
     A client that leaves meanwhile (its request queued behind a full batch, or in its prefill)
     aborts the request at once, freeing its place and blocks: nothing reads the response yet,
     so without this watch the engine would compute a prompt nobody waits for, which is what
     turns clients that time out and resend into a retry storm."""
     try:
-        return await unless_client_leaves(raw, asyncio.ensure_future(_next(events)),
-                                          "client disconnected before the first token")
+        first = await unless_client_leaves(raw, asyncio.ensure_future(_next(events)),
+                                           "client disconnected before the first token")
     except StopAsyncIteration:
         return None
+    if first[1].finished:
+        call.check_timed_out([first[1]])
+    return first
 
 
 async def _next(events):  # type: ignore[no-untyped-def]

@@ -2,13 +2,17 @@
 
 Admission is bounded (429 + Retry-After beyond `max_waiting_requests`); every request carries the
 server deadline into the engine; closing a stream or losing the client aborts the engine request,
-which frees its blocks through the engine's one free path.
+which frees its blocks through the engine's one free path. A client that says how long it waits
+for its answer to start (`kvserve.client_timeout`: the gateway's x-kvserve-timeout, the OpenAI
+SDKs' read timeout) has its request ended by the engine at that deadline if no token is out by
+then (streamed) or it is not done (whole), and gets a 504: nobody would read the answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -17,7 +21,8 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from kvserve.engine import SamplingParams
+from kvserve.client_timeout import BadTimeout, client_timeout_s
+from kvserve.engine import FinishReason, SamplingParams
 from kvserve.runtime import AsyncEngine, RequestOutput
 from kvserve.server.errors import APIError
 from kvserve.server.kv_pull import KVPuller, KVTransferFailed
@@ -27,11 +32,23 @@ from kvserve.server.settings import ServerSettings
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """One HTTP request's identity: the id echoed to the client and the tenant for metrics."""
+    """One HTTP request's identity: the id echoed to the client and the tenant for metrics;
+    `timeout_s` / `response_deadline` (time.monotonic): the client's, when it said one."""
 
     request_id: str
     tenant: str
     created: int
+    timeout_s: float | None = None
+    response_deadline: float | None = None
+
+    def check_timed_out(self, outputs: Sequence[RequestOutput]) -> None:
+        """Raise APIError 504 when the client's deadline ended every sample before a token."""
+        if self.timeout_s is not None and outputs and all(
+                c.finish_reason is FinishReason.TIMEOUT and not c.token_ids
+                for o in outputs for c in o.outputs):
+            raise APIError(504, f"no answer within the client's timeout of {self.timeout_s:g} s "
+                           "(x-kvserve-timeout / x-stainless-read-timeout); the request was "
+                           "dropped unanswered", err_type="timeout")
 
 
 def sse(data: object) -> str:
@@ -71,10 +88,15 @@ class Serving:
                            err_type="not_found_error")
         if not self.engine.is_running:
             raise APIError(503, "the engine is not running", err_type="service_unavailable")
+        try:
+            timeout_s = client_timeout_s(raw.headers)
+        except BadTimeout as exc:
+            raise APIError(400, str(exc)) from None
         header_id = raw.headers.get("x-request-id")
         request_id = header_id or uuid.uuid4().hex
         tenant = tenant_label(raw.headers.get("x-tenant-id"), cache_salt)
-        return Call(request_id, tenant, int(time.time()))
+        return Call(request_id, tenant, int(time.time()), timeout_s,
+                    None if timeout_s is None else time.monotonic() + timeout_s)
 
     async def stream(
         self,
@@ -83,11 +105,13 @@ class Serving:
         params: SamplingParams,
         cache_salt: str | None,
         pull_from: str | None = None,
+        streamed: bool = True,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every prompt as they come: (prompt index, output). Raises APIError (429)
         when the server is saturated and ValueError for a prompt the engine refuses, before
         anything is yielded for it. With `pull_from` (a prefill worker's URL; n = 1 only),
-        each prompt's KV is pulled from there first; a failed pull is an APIError (502)."""
+        each prompt's KV is pulled from there first; a failed pull is an APIError (502).
+        The client's deadline bounds the first token when `streamed`, else the whole answer."""
         # Check and count in one step (no await between): a flood of requests that all passed
         # the route's awaits together must not all be admitted.
         if self.in_flight >= self.capacity:
@@ -98,9 +122,14 @@ class Serving:
                            headers={"Retry-After": str(self.settings.retry_after_s)})
         self.in_flight += len(prompts)
         self.metrics.in_flight.labels(self.model_name).set(self.in_flight)
-        deadline = None
+        deadline = first_token_deadline = None
         if self.settings.request_timeout_s is not None:
             deadline = time.monotonic() + self.settings.request_timeout_s
+        if call.response_deadline is not None:
+            if streamed:
+                first_token_deadline = call.response_deadline
+            else:
+                deadline = min(deadline or math.inf, call.response_deadline)
         # (idx, output) per engine output; then idx alone once that prompt's stream ended.
         queue: asyncio.Queue[tuple[int, RequestOutput] | int | BaseException] = asyncio.Queue()
 
@@ -117,7 +146,8 @@ class Serving:
                         raise APIError(502, str(exc), err_type="upstream_error") from None
                 async for output in self.engine.generate(engine_id, prompt, params,
                                                          cache_salt=cache_salt,
-                                                         deadline=deadline, kv_import=pull):
+                                                         deadline=deadline, kv_import=pull,
+                                                         first_token_deadline=first_token_deadline):
                     now = time.monotonic()
                     if last is not None and any(c.new_token_ids for c in output.outputs):
                         self.metrics.observe_token_gap(now - last)
@@ -168,12 +198,15 @@ class Serving:
         finals: dict[int, RequestOutput] = {}
 
         async def run() -> None:
-            async for idx, output in self.stream(call, prompts, params, cache_salt, pull_from):
+            async for idx, output in self.stream(call, prompts, params, cache_salt, pull_from,
+                                                 streamed=False):
                 if output.finished:
                     finals[idx] = output
 
         await unless_client_leaves(raw, asyncio.ensure_future(run()), "client disconnected")
-        return [finals[i] for i in range(len(prompts))]
+        outputs = [finals[i] for i in range(len(prompts))]
+        call.check_timed_out(outputs)
+        return outputs
 
 
 async def client_left(raw: Request) -> None:

@@ -82,3 +82,4 @@ class Attempt:
     backlog_tokens: int = 0  # counted at the gateway until the first token (SimGateway.route)
     is_queued: bool = False  # waiting at the gateway for an admission slot
     is_over: bool = False
+    generation: int = 0  # the latency limit's, when it was dispatched

@@ -88,8 +88,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "(overrides --retries/--backpressure)")
     c.add_argument("--max-in-flight", type=int, default=256)
     c.add_argument("--max-queued", type=int, default=512)
-    c.add_argument("--queue-timeout", type=float, default=5.0)
+    c.add_argument("--queue-timeout", type=float, default=1.0)
     c.add_argument("--retry-after", type=float, default=1.0)
+    c.add_argument("--latency-limit", action=argparse.BooleanOptionalAction, default=True,
+                   help="the gateway's AIMD admission limit, cut by late first tokens "
+                        "(with --backpressure)")
     c.add_argument("--slo", type=float, default=5.0, help="TTFT objective for 'TTFT≤SLO', s")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=None,
@@ -126,7 +129,8 @@ def build_tasks(args: argparse.Namespace) -> list[SimTask]:
         client = (ClientConfig.retrying(args.ttft_timeout, args.max_retries) if retrying
                   else ClientConfig())
         backpressure = (Backpressure(args.max_in_flight, args.max_queued, args.queue_timeout,
-                                     args.retry_after) if throttled else None)
+                                     args.retry_after, args.latency_limit)
+                        if throttled else None)
         for spec in policies:
             policy, option_specs = split_policy_spec(spec)
             config = SimConfig(

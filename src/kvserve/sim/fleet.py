@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.gateway.latency_limit import LATE_FRACTION, LatencyLimit
 from kvserve.gateway.policies import CapacityAware, RoutingPolicy, make_policy
 from kvserve.sim.client import Attempt, ClientConfig, ClientRequest, Outcome
 from kvserve.sim.costmodel import CostProfile
@@ -92,6 +93,9 @@ class FleetSimulator:
                 policy.set_worker_capacity(worker_id,
                                            config.worker.num_blocks * config.worker.block_size)
         self.gateway = SimGateway(policy, ids)
+        bp = config.backpressure
+        self.latency = (LatencyLimit(bp.max_in_flight, floor=min(len(ids), bp.max_in_flight))
+                        if bp is not None and bp.latency_limit else None)
         self.clients: list[ClientRequest] = []
         self.timeline: list[TimelineSample] = []
         self._attempt_of: dict[str, Attempt] = {}
@@ -163,7 +167,7 @@ class FleetSimulator:
             self.events.push(now + timeout, Priority.CLIENT,
                              lambda t: self._on_timeout(attempt, t))
         bp = self.config.backpressure
-        if bp is None or self.gateway.num_in_flight < bp.max_in_flight:
+        if bp is None or self.gateway.num_in_flight < self._admission_limit():
             self._dispatch(attempt, now)
         elif self._num_queued < bp.max_queued:
             attempt.is_queued = True
@@ -194,11 +198,17 @@ class FleetSimulator:
         bp = self.config.backpressure
         if bp is None:
             return
-        while self._queue and self.gateway.num_in_flight < bp.max_in_flight:
+        while self._queue and self.gateway.num_in_flight < self._admission_limit():
             attempt = self._queue.popleft()
             if attempt.is_queued and not attempt.is_over:
                 self._leave_queue(attempt)
                 self._dispatch(attempt, now)
+
+    def _admission_limit(self) -> int:
+        bp = self.config.backpressure
+        assert bp is not None
+        return bp.max_in_flight if self.latency is None else min(bp.max_in_flight,
+                                                                 self.latency.limit)
 
     def _leave_queue(self, attempt: Attempt) -> None:
         if attempt.is_queued:
@@ -213,6 +223,8 @@ class FleetSimulator:
         seq = SimSeq(f"{trace.request_id}#{attempt.number}", client.prompt,
                      max(1, trace.output_length), trace.tenant)
         attempt.seq, attempt.worker_id = seq, worker_id
+        if self.latency is not None:
+            attempt.generation = self.latency.generation
         self._attempt_of[seq.seq_id] = attempt
         if not self.workers[worker_id].submit(seq, now):
             del self._attempt_of[seq.seq_id]
@@ -230,6 +242,8 @@ class FleetSimulator:
             self._leave_queue(attempt)
         elif attempt.seq is not None and attempt.worker_id is not None:
             del self._attempt_of[attempt.seq.seq_id]
+            if self.latency is not None:  # gave up after admission: the fleet is too slow
+                self.latency.on_late(attempt.generation, self.gateway.num_in_flight)
             self.workers[attempt.worker_id].abort(attempt.seq, now)
             self._release(attempt)
             self._pump_queue(now)
@@ -264,6 +278,19 @@ class FleetSimulator:
         if attempt is not None and attempt.request.first_token_at is None:
             # What the client sees also includes the API path (the profile's request overhead).
             attempt.request.first_token_at = now + self._overhead_s(attempt.request)
+            if self.latency is not None:
+                self._first_byte(attempt, attempt.request.first_token_at)
+
+    def _first_byte(self, attempt: Attempt, at: float) -> None:
+        """Tell the latency limit, as gateway.proxy_endpoint does: late past 3/4 of the
+        clients' timeout (never, for clients without one)."""
+        assert self.latency is not None
+        timeout = self.config.client.ttft_timeout_s
+        if timeout is not None and at - attempt.sent_at > LATE_FRACTION * timeout:
+            self.latency.on_late(attempt.generation, self.gateway.num_in_flight)
+        else:
+            self.latency.on_time(self.gateway.num_in_flight)
+            self._pump_queue(at)
 
     def on_finish(self, seq: SimSeq, now: float) -> None:
         attempt = self._attempt_of.pop(seq.seq_id, None)

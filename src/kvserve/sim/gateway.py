@@ -8,7 +8,9 @@ and `kv_usage` come from the last scrape of the workers' metrics, so they are up
 interval stale, as in production (gateway.scraper).
 Admission mirrors gateway.admission: at most `max_in_flight` requests upstream fleet-wide, up to
 `max_queued` waiting for a slot for at most `queue_timeout_s`; past either limit, 429 with
-Retry-After.
+Retry-After. With `latency_limit` (the gateway's default) the limit is also at most the
+gateway's own AIMD limit (gateway.latency_limit, the same object), cut by first tokens later
+than 3/4 of the clients' timeout and by clients that time out after admission.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ class Backpressure:
 
     max_in_flight: int = 256
     max_queued: int = 512
-    queue_timeout_s: float = 5.0
+    queue_timeout_s: float = 1.0
     retry_after_s: float = 1.0
+    latency_limit: bool = True
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1 or self.max_queued < 0 or self.queue_timeout_s < 0:

@@ -1,0 +1,124 @@
+"""The client's timeout (`kvserve.client_timeout`), the AIMD latency limit and how admission
+uses both: exact states, no sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvserve.client_timeout import BadTimeout, client_timeout_s, format_timeout
+from kvserve.gateway.admission import Admission, Saturated
+from kvserve.gateway.latency_limit import LatencyLimit
+
+
+def test_the_tightest_timeout_header_wins_in_seconds() -> None:
+    assert client_timeout_s({}) is None
+    assert client_timeout_s({"x-kvserve-timeout": "2.5"}) == 2.5
+    assert client_timeout_s({"x-stainless-read-timeout": "600.0"}) == 600.0
+    assert client_timeout_s({"x-envoy-expected-rq-timeout-ms": "1500"}) == 1.5
+    assert client_timeout_s({"x-stainless-read-timeout": "3", "x-kvserve-timeout": "7",
+                             "x-envoy-expected-rq-timeout-ms": "4000"}) == 3.0
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "inf", ""])
+def test_a_timeout_that_is_not_a_positive_number_is_refused_naming_the_header(
+        value: str) -> None:
+    with pytest.raises(BadTimeout, match="x-kvserve-timeout must be a positive number of "
+                                         "seconds"):
+        client_timeout_s({"x-kvserve-timeout": value})
+    with pytest.raises(BadTimeout, match="milliseconds"):
+        client_timeout_s({"x-envoy-expected-rq-timeout-ms": value})
+
+
+def test_the_forwarded_timeout_is_never_zero() -> None:
+    assert format_timeout(1.23456) == "1.235"
+    assert format_timeout(-0.5) == "0.001"
+
+
+def test_a_late_answer_halves_what_was_in_flight_once_per_generation() -> None:
+    limit = LatencyLimit(ceiling=256, floor=2)
+    assert limit.limit == 256 and limit.generation == 0
+    assert limit.on_late(0, in_flight=40)  # cut to half of what was in flight, not of 256
+    assert limit.limit == 20 and limit.generation == 1
+    # late answers from requests admitted before the cut say nothing about the new limit
+    assert not limit.on_late(0, in_flight=40)
+    assert limit.limit == 20
+    assert limit.on_late(1, in_flight=20)
+    assert limit.limit == 10
+    for generation in range(2, 10):
+        limit.on_late(generation, in_flight=10)
+    assert limit.limit == 2 and limit.cuts == 10  # never below the floor
+
+
+def test_answers_in_time_grow_a_limit_in_use_by_one_a_round() -> None:
+    limit = LatencyLimit(ceiling=12, floor=1)
+    limit.on_late(0, in_flight=20)
+    assert limit.limit == 6  # half the ceiling: no more than that was admitted
+    for _ in range(10):
+        limit.on_time(in_flight=2)  # far below the limit: the limit is not what bounds it
+    assert limit.limit == 6
+    for _ in range(6):
+        limit.on_time(in_flight=6)
+    assert limit.limit == 6  # 6.94: one more answer makes the round
+    limit.on_time(in_flight=6)
+    assert limit.limit == 7
+    for _ in range(100):
+        limit.on_time(in_flight=12)
+    assert limit.limit == 12  # the ceiling
+
+
+def test_limits_are_checked() -> None:
+    with pytest.raises(ValueError):
+        LatencyLimit(ceiling=4, floor=5)
+    with pytest.raises(ValueError):
+        LatencyLimit(ceiling=4, decrease=1.0)
+
+
+def test_a_queued_request_waits_at_most_half_its_time_left() -> None:
+    async def scenario() -> None:
+        admission = Admission(1, 8, queue_timeout_s=5.0)
+        await admission.acquire()
+        started = time.monotonic()
+        with pytest.raises(Saturated) as refused:
+            await admission.acquire(deadline=started + 0.4)
+        waited = time.monotonic() - started
+        assert refused.value.reason == "deadline"
+        assert 0.15 <= waited < 1.0, waited  # half of 0.4 s, not the 5 s queue timeout
+        assert admission.in_flight == 1 and admission.queued == 0
+        # a generous deadline leaves the queue timeout in charge
+        admission.queue_timeout_s = 0.1
+        with pytest.raises(Saturated) as refused:
+            await admission.acquire(deadline=time.monotonic() + 60.0)
+        assert refused.value.reason == "queue timeout"
+
+    asyncio.run(scenario())
+
+
+def test_late_answers_shrink_admission_and_answers_in_time_let_the_queue_in() -> None:
+    async def scenario() -> None:
+        latency = LatencyLimit(ceiling=8, floor=1)
+        admission = Admission(8, 8, queue_timeout_s=5.0, latency=latency)
+        generations = [await admission.acquire() for _ in range(4)]
+        assert generations == [0, 0, 0, 0] and admission.limit == 8
+        admission.first_byte(generations[0], late=True)  # 4 in flight: the limit falls to 2
+        assert admission.limit == 2 and admission.generation == 1
+        admission.first_byte(generations[1], late=True)  # same generation: no second cut
+        assert admission.limit == 2
+        admission.release()
+        admission.release()  # 2 in flight: the limit is full
+        queued = asyncio.create_task(admission.acquire())
+        await asyncio.sleep(0)
+        assert admission.queued == 1 and not queued.done()
+        for _ in range(2):  # in time, with the limit in use: 2 -> 2.5 -> 2.9
+            admission.first_byte(1, late=False)
+        await asyncio.sleep(0)
+        assert not queued.done()
+        admission.first_byte(1, late=False)  # -> 3.24: the queued request gets the new slot
+        await asyncio.sleep(0)
+        assert queued.done() and queued.result() == 1 and admission.in_flight == 3
+        admission.gave_up(1)  # its client left before a first byte: cut to half of 3
+        assert admission.limit == 1 and admission.generation == 2
+
+    asyncio.run(scenario())
