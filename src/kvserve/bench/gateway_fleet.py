@@ -131,7 +131,8 @@ class SglangRouter(ManagedProcess):
 
 def gateway_stats(urls: Sequence[str]) -> dict[str, float]:
     """What kvserve gateway replicas say they did (their /metrics, summed): requests by decision
-    branch, retries by reason, upstream errors, and the mean time spent before going upstream."""
+    branch, retries by reason, upstream errors, deadlines expired by stage, latency-limit cuts
+    and the limit at the end, and the mean time spent before going upstream."""
     from prometheus_client.parser import text_string_to_metric_families
 
     stats: dict[str, float] = {}
@@ -149,6 +150,12 @@ def gateway_stats(urls: Sequence[str]) -> dict[str, float]:
                     key = f"retry:{sample.labels.get('reason')}"
                 elif sample.name == "kvserve:gateway_upstream_errors_total":
                     key = "upstream_errors"
+                elif sample.name == "kvserve:gateway_deadline_expired_total":
+                    key = f"deadline:{sample.labels.get('stage')}"
+                elif sample.name == "kvserve:gateway_latency_limit_cuts_total":
+                    key = "latency_limit_cuts"
+                elif sample.name == "kvserve:gateway_latency_limit":
+                    key = "latency_limit_end"
                 elif sample.name in ("kvserve:gateway_added_latency_seconds_sum",
                                      "kvserve:gateway_added_latency_seconds_count"):
                     key = sample.name.rsplit("_", 1)[1] + "_added_s"
