@@ -155,6 +155,24 @@ def test_gateway_saturation_unhealthy_worker_and_round_robin_thrashing() -> None
     assert thrash and "4 of 4 tenants" in " ".join(thrash[0].evidence)
 
 
+def test_answers_later_than_clients_wait_are_saturation_with_the_latency_limit() -> None:
+    def gateway(expired: float, cuts: float, limit: float) -> Metrics:
+        base = gateway_metrics(healthy={W0: 1}, routed={W0: 100})
+        extra = (f'kvserve:gateway_deadline_expired_total{{stage="first_token"}} {expired}\n'
+                 f"kvserve:gateway_latency_limit_cuts_total {cuts}\n"
+                 f"kvserve:gateway_latency_limit {limit}\n"
+                 f"kvserve:gateway_admission_limit {limit}\n")
+        return Metrics(base.families, base.samples + Metrics.from_text(extra).samples)
+
+    calm = diagnose([observation(GW, gateway(3, 2, 64), gateway(3, 2, 64))])
+    assert not problems(calm, Problem.SATURATION)  # old news: nothing in the window
+    report = diagnose([observation(GW, gateway(3, 2, 64), gateway(15, 6, 4))])
+    (finding,) = problems(report, Problem.SATURATION)
+    assert "12 requests passed their clients' timeout" in finding.evidence[0]
+    assert "first_token: 12" in finding.evidence[0]
+    assert "cut the latency limit 4 times, to 4 requests in flight" in finding.evidence[1]
+
+
 def test_unreachable_target_is_critical() -> None:
     snap = Snapshot(W0, 0.0, error="/metrics: ConnectError")
     report = diagnose([Observation(W0, snap, snap)])

@@ -107,10 +107,35 @@ def _check_saturation(obs: Observation) -> list[Finding]:
     denied = delta(obs, "kvserve:gateway_retry_budget_exhausted_total")
     if denied > 0:
         evidence.append(f"the retry budget refused {denied:.0f} retries")
+    evidence += _slow_answers(obs)
     if not evidence:
         return []
     return [Finding(obs.url, Problem.SATURATION, Severity.WARNING, "the fleet is saturated",
                     tuple(evidence))]
+
+
+def _slow_answers(obs: Observation) -> list[str]:
+    """Workers answering later than the clients wait: deadlines that expired upstream, and
+    the latency limit's cuts (the admission limit it left)."""
+    a, b = obs.first.metrics, obs.second.metrics
+    assert a is not None and b is not None
+    evidence = []
+    before = a.by_label("kvserve:gateway_deadline_expired_total", "stage")
+    expired = {s: v - before.get(s, 0.0) for s, v
+               in b.by_label("kvserve:gateway_deadline_expired_total", "stage").items()}
+    expired = {s: v for s, v in expired.items() if v > 0}
+    if expired:
+        evidence.append(f"{sum(expired.values()):.0f} requests passed their clients' timeout "
+                        "before a worker started answering (" + ", ".join(
+                            f"{s}: {v:.0f}" for s, v in sorted(expired.items())) + "); the "
+                        "gateway closed them upstream")
+    cuts = delta(obs, "kvserve:gateway_latency_limit_cuts_total")
+    if cuts > 0:
+        evidence.append(f"late first tokens cut the latency limit {cuts:.0f} times, to "
+                        f"{b.value('kvserve:gateway_latency_limit'):.0f} requests in flight "
+                        f"(admission limit {b.value('kvserve:gateway_admission_limit'):.0f}): "
+                        "the workers answer later than the clients wait")
+    return evidence
 
 
 def _policy(obs: Observation) -> str | None:
