@@ -137,3 +137,57 @@ def test_async_refusal_raises_before_streaming(llama):
             asyncio.run(scenario())
     finally:
         async_engine.shutdown()
+
+
+@pytest.mark.parametrize("taken", [False, True])
+def test_a_caller_that_leaves_before_the_engine_takes_its_request_leaves_nothing(llama, taken):
+    """A client that disconnects while its request waits for the engine thread (busy with a
+    long step) cancels the add. The engine thread must neither die of it (it did: setting
+    the result of a cancelled future raised there) nor run the request for nobody."""
+    import threading
+    import time
+
+    engine = make_engine(llama)
+    async_engine = AsyncEngine(engine).start()
+    busy, release = threading.Event(), threading.Event()
+
+    def hold(_engine: object) -> None:  # the engine thread, in a long step
+        busy.set()
+        release.wait(10.0)
+
+    async def scenario() -> None:
+        held = asyncio.ensure_future(async_engine.call(hold))
+        await asyncio.to_thread(busy.wait, 10.0)
+        endless = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        gen = async_engine.generate("left", random_prompt(15, seed=3), endless)
+        task = asyncio.ensure_future(anext(gen))
+        await asyncio.sleep(0.05)  # the add is queued behind the long step
+        if taken:  # the engine takes the add, and the caller leaves before it hears so
+            release.set()
+            end = time.monotonic() + 10.0
+            while async_engine.num_live_requests == 0 and time.monotonic() < end:
+                time.sleep(0.001)  # blocks this loop: the caller cannot resume meanwhile
+            assert async_engine.num_live_requests == 1
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await held
+        # the engine is alive and serves the next request
+        outputs = [o async for o in async_engine.generate("next", random_prompt(9, seed=4),
+                                                           LONG)]
+        assert outputs[-1].finished and len(outputs[-1].outputs[0].token_ids) == 40
+        # "left", 200 tokens long and sent first, is not still running for nobody
+        assert async_engine.num_live_requests == 0
+
+    try:
+        asyncio.run(scenario())
+        assert async_engine.is_running, async_engine.error
+        for _ in range(200):
+            if async_engine.stats.kv.num_held_blocks == 0 and not engine.has_unfinished:
+                break
+            asyncio.run(asyncio.sleep(0.01))
+        assert not engine.has_unfinished and async_engine.num_live_requests == 0
+    finally:
+        async_engine.shutdown()
+    assert_no_blocks_held(engine)

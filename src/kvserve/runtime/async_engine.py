@@ -81,6 +81,11 @@ class AsyncEngine:
         accepted: Future[None] = Future()
 
         def add() -> None:
+            # The caller may have left while this waited for the engine thread: then there
+            # is nobody to stream to (and setting a cancelled future's result would raise here,
+            # killing the engine thread).
+            if not accepted.set_running_or_notify_cancel():
+                return
             try:
                 self.engine.add_request(request_id, prompt, params, **kwargs)
             except BaseException as exc:
@@ -90,7 +95,11 @@ class AsyncEngine:
             accepted.set_result(None)
 
         self._submit(add)
-        await asyncio.wrap_future(accepted)
+        try:
+            await asyncio.wrap_future(accepted)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # the engine may have taken it just before the caller left
+            raise
         finished = False
         try:
             while True:
@@ -118,6 +127,8 @@ class AsyncEngine:
         result: Future[T] = Future()
 
         def run() -> None:
+            if not result.set_running_or_notify_cancel():
+                return  # the caller left before the engine thread got to it
             try:
                 result.set_result(fn(self.engine))
             except BaseException as exc:

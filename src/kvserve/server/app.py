@@ -233,7 +233,11 @@ async def _first_or_error(events, raw: Request, call: Call):  # type: ignore[no-
     except StopAsyncIteration:
         return None
     if first[1].finished:
-        call.check_timed_out([first[1]])
+        try:
+            call.check_timed_out([first[1]])
+        except APIError:
+            await events.aclose()  # ends its tasks now, not when collected
+            raise
     return first
 
 
