@@ -112,6 +112,7 @@ def test_router_specs_are_checked() -> None:
      ["--policy-option=backlog_weight=0", "--policy-option=load_weight=2"]),
     ("kvserve:precise@backlog_weight=0@--kv-events-min-interval=0.5",
      ["--policy-option=backlog_weight=0", "--kv-events-min-interval=0.5"]),
+    ("kvserve:cache_aware@--no-latency-limit", ["--no-latency-limit"]),  # a flag alone
 ])
 def test_router_specs_carry_policy_options_and_gateway_flags(spec: str, args: list[str]) -> None:
     variant = RouterSpec.parse(spec)

@@ -43,7 +43,8 @@ class RouterSpec:
     """`kind:policy` (e.g. kvserve:prefix_hash, sglang:cache_aware) or `ideal`; a kvserve
     policy may carry gateway policy options, `kvserve:cache_aware@backlog_weight=0@...` (each
     passed as `--policy-option`), and gateway flags, `kvserve:precise@--kv-events-min-interval=
-    0.5` (passed as given), so variants of one policy run side by side."""
+    0.5` or `kvserve:cache_aware@--no-latency-limit` (passed as given), so variants of one
+    policy run side by side."""
 
     kind: str
     policy: str = ""
@@ -56,9 +57,10 @@ class RouterSpec:
         if text == IDEAL:
             return cls(IDEAL)
         kind, _, rest = text.partition(":")
-        policy, parts = split_policy_spec(rest)  # a malformed one fails before any process
-        flags = tuple(p for p in parts if p.startswith("--"))
+        policy, *parts = rest.split("@")
+        flags = tuple(p for p in parts if p.startswith("--"))  # `--flag` or `--flag=VALUE`
         options = tuple(p for p in parts if not p.startswith("--"))
+        split_policy_spec("@".join((policy, *options)))  # a malformed one fails before any process
         if kind not in ROUTER_KINDS or not policy:
             raise ValueError(f"router {text!r}: use 'ideal' or KIND:POLICY with KIND one of "
                              f"{', '.join(ROUTER_KINDS)} (e.g. kvserve:prefix_hash, "
