@@ -133,8 +133,9 @@ class SglangRouter(ManagedProcess):
 
 def gateway_stats(urls: Sequence[str]) -> dict[str, float]:
     """What kvserve gateway replicas say they did (their /metrics, summed): requests by decision
-    branch, retries by reason, upstream errors, deadlines expired by stage, latency-limit cuts
-    and the limit at the end, and the mean time spent before going upstream."""
+    branch, retries by reason, upstream errors, rejections by reason, deadlines expired by
+    stage, latency-limit cuts, the latency and admission limits at the end, and the mean time
+    spent before going upstream."""
     from prometheus_client.parser import text_string_to_metric_families
 
     stats: dict[str, float] = {}
@@ -152,6 +153,10 @@ def gateway_stats(urls: Sequence[str]) -> dict[str, float]:
                     key = f"retry:{sample.labels.get('reason')}"
                 elif sample.name == "kvserve:gateway_upstream_errors_total":
                     key = "upstream_errors"
+                elif sample.name == "kvserve:gateway_rejections_total":
+                    key = f"rejected:{sample.labels.get('reason')}"
+                elif sample.name == "kvserve:gateway_admission_limit":
+                    key = "admission_limit_end"
                 elif sample.name == "kvserve:gateway_deadline_expired_total":
                     key = f"deadline:{sample.labels.get('stage')}"
                 elif sample.name == "kvserve:gateway_latency_limit_cuts_total":
