@@ -127,3 +127,16 @@ def test_late_answers_shrink_admission_and_answers_in_time_let_the_queue_in() ->
         assert admission.limit == 1 and admission.generation == 2
 
     asyncio.run(scenario())
+
+
+def test_lateness_is_the_workers_time_not_the_wait_for_admission() -> None:
+    from kvserve.gateway.proxy_endpoint import _Budget
+
+    # A 10 s client that waited 5 s for admission: the workers had 5 s, and 3/4 of that is
+    # late, although 8 s after arrival is already past 3/4 of the client's timeout.
+    budget = _Budget(started=0.0, timeout_s=10.0, ttft_target_s=None, generation=0,
+                     admitted=5.0)
+    assert not budget.is_late(8.0)
+    assert budget.is_late(9.0)
+    assert _Budget(0.0, 10.0, 2.0, 0, admitted=5.0).is_late(7.5)  # --ttft-target 2 s
+    assert not _Budget(0.0, None, None, 0, admitted=5.0).is_late(500.0)  # nothing said

@@ -5,7 +5,9 @@ first token: a worker that takes more than it can answer in time (vLLM's CPU ser
 everything; long prompts make every prefill slow) lets the clients time out and resend. So the
 gateway also keeps an AIMD limit, as TCP keeps its congestion window:
 
-- a late first byte (later than LATE_FRACTION of the client's timeout) or a client that left
+- a late first byte (the workers took longer than LATE_FRACTION of the time its client had
+  left when it went upstream; the wait for admission does not count, since this limit sets
+  it) or a client that left
   before its first byte is a loss: the limit falls to `decrease` times what was in flight,
   at most once per generation (requests admitted before the last cut were sent under the old
   limit and say nothing about the new one);

@@ -90,23 +90,39 @@ class _TooLarge(Exception):
 
 @dataclass(slots=True)
 class _Budget:
-    """One request's time: when it arrived, its client's timeout (None: not said), and the
-    admission generation it was admitted at (None until admitted)."""
+    """One request's time: when it arrived, its client's timeout (None: not said), and when
+    and at which admission generation it was admitted (None until admitted)."""
 
     started: float
     timeout_s: float | None
-    late_after_s: float | None  # a first byte later than this after `started` is late
+    ttft_target_s: float | None  # the gateway's --ttft-target
     generation: int | None = None
+    admitted: float = 0.0
     answered: bool = False  # its first byte went to the client
+
+    def admit(self, generation: int) -> None:
+        self.generation, self.admitted = generation, time.monotonic()
+
+    def is_late(self, now: float) -> bool:
+        """Whether the workers took too long to start answering: longer than --ttft-target,
+        or than LATE_FRACTION of the time the client had left when the request went upstream.
+        The wait for admission is not the workers' doing (the limit this judges sets it)."""
+        upstream_s = now - self.admitted
+        if self.ttft_target_s is not None and upstream_s > self.ttft_target_s:
+            return True
+        left = self.left_s(self.admitted)
+        return left is not None and upstream_s > LATE_FRACTION * left
 
     @property
     def deadline(self) -> float | None:
         return None if self.timeout_s is None else self.started + self.timeout_s
 
-    def left_s(self) -> float | None:
-        """Seconds until the deadline (negative once passed); None without one."""
+    def left_s(self, now: float | None = None) -> float | None:
+        """Seconds from `now` (default: now) to the deadline (negative once passed); None
+        without one."""
         deadline = self.deadline
-        return None if deadline is None else deadline - time.monotonic()
+        return None if deadline is None else deadline - (time.monotonic() if now is None
+                                                         else now)
 
     def expired_message(self) -> str:
         return (f"the worker did not start answering within the client's timeout of "
@@ -180,10 +196,7 @@ class ProxyEndpoint:
         except BadTimeout as exc:
             await _send_reply(send, _error(400, str(exc)), echo)
             return
-        late_after = [t for t in (self.ttft_target_s,
-                                  None if timeout_s is None else timeout_s * LATE_FRACTION)
-                      if t is not None]
-        budget = _Budget(started, timeout_s, min(late_after) if late_after else None)
+        budget = _Budget(started, timeout_s, self.ttft_target_s)
         watch = _ClientWatch(receive)
         try:
             await self._serve(scope["path"], raw, headers, budget, send, echo)
@@ -237,9 +250,7 @@ class ProxyEndpoint:
         """The answer started (or the gateway gave up waiting for it): tell admission."""
         budget.answered = True
         assert budget.generation is not None
-        late = (budget.late_after_s is not None
-                and time.monotonic() - budget.started > budget.late_after_s)
-        self.admission.first_byte(budget.generation, late)
+        self.admission.first_byte(budget.generation, budget.is_late(time.monotonic()))
 
     async def _relay(self, upstream: Upstream, send: Send, budget: _Budget) -> None:
         """Pass an SSE stream through, then end the response. A worker that dies mid-stream,
@@ -296,7 +307,7 @@ class ProxyEndpoint:
             self.capacity.sample(body["prompt"])
         forwarded = {k: v for k, v in headers.items() if k in FORWARDED_HEADERS}
         try:
-            budget.generation = await self.admission.acquire(budget.deadline)
+            budget.admit(await self.admission.acquire(budget.deadline))
         except Saturated as exc:
             self.metrics.rejections.labels(exc.reason).inc()
             return _error(429, f"the fleet is saturated ({exc.reason}); retry after "

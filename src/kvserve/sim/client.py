@@ -83,3 +83,4 @@ class Attempt:
     is_queued: bool = False  # waiting at the gateway for an admission slot
     is_over: bool = False
     generation: int = 0  # the latency limit's, when it was dispatched
+    dispatched_at: float = 0.0  # when it went upstream (after any wait for admission)

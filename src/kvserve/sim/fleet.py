@@ -223,6 +223,7 @@ class FleetSimulator:
         seq = SimSeq(f"{trace.request_id}#{attempt.number}", client.prompt,
                      max(1, trace.output_length), trace.tenant)
         attempt.seq, attempt.worker_id = seq, worker_id
+        attempt.dispatched_at = now
         if self.latency is not None:
             attempt.generation = self.latency.generation
         self._attempt_of[seq.seq_id] = attempt
@@ -282,11 +283,13 @@ class FleetSimulator:
                 self._first_byte(attempt, attempt.request.first_token_at)
 
     def _first_byte(self, attempt: Attempt, at: float) -> None:
-        """Tell the latency limit, as gateway.proxy_endpoint does: late past 3/4 of the
-        clients' timeout (never, for clients without one)."""
+        """Tell the latency limit, as gateway.proxy_endpoint does: late when the worker took
+        more than 3/4 of the time its client had left at dispatch (never, for clients
+        without a timeout)."""
         assert self.latency is not None
         timeout = self.config.client.ttft_timeout_s
-        if timeout is not None and at - attempt.sent_at > LATE_FRACTION * timeout:
+        left = None if timeout is None else attempt.sent_at + timeout - attempt.dispatched_at
+        if left is not None and at - attempt.dispatched_at > LATE_FRACTION * left:
             self.latency.on_late(attempt.generation, self.gateway.num_in_flight)
         else:
             self.latency.on_time(self.gateway.num_in_flight)
