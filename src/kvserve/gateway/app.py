@@ -61,6 +61,7 @@ class GatewaySettings:
     scrape_interval_s: float = 1.0
     max_body_bytes: int = 8 * 1024 * 1024
     latency_limit: bool = True  # the AIMD limit from late first bytes (`latency_limit.py`)
+    learned_capacity: bool = True  # admission counts batches learned from scrapes too
     ttft_target_s: float | None = None  # a first byte later than this is late for that limit
     tenancy: Tenancy = field(default_factory=Tenancy)
     tokenizer: str | None = None  # the workers' tokenizer, for exact keys (`precise`)
@@ -113,7 +114,8 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                             floor=min(len(settings.workers), settings.max_in_flight))
                if settings.latency_limit else None)
     admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s,
-                          fleet_slots=lambda: pool.fleet_slots(time.monotonic()),
+                          fleet_slots=lambda: pool.fleet_slots(time.monotonic(),
+                                                               settings.learned_capacity),
                           latency=latency)
     budget = RetryBudget(ratio=settings.retry_ratio)
     keys = ExactKeys(settings.tokenizer, settings.block_size, settings.policy == "precise")

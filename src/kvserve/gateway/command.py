@@ -42,6 +42,9 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                         "time (AIMD: cut when a first byte is late or a client leaves before "
                         "it); a late first byte is one past 3/4 of the client's timeout "
                         "(x-kvserve-timeout, x-stainless-read-timeout) or --ttft-target")
+    p.add_argument("--learned-capacity", action=argparse.BooleanOptionalAction, default=True,
+                   help="count in the admission limit the batch of a vLLM or SGLang worker, "
+                        "learned when a scrape saw it full (a kvserve worker declares its own)")
     p.add_argument("--ttft-target", type=float, default=None, metavar="S",
                    help="a first byte later than S seconds is late, whatever the client said")
     p.add_argument("--retry-ratio", type=float, default=0.1,
@@ -80,6 +83,7 @@ def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] |
         max_in_flight=args.max_in_flight, max_queued=args.max_queued,
         queue_timeout_s=args.queue_timeout, retry_ratio=args.retry_ratio,
         latency_limit=args.latency_limit, ttft_target_s=args.ttft_target,
+        learned_capacity=args.learned_capacity,
         tenancy=Tenancy.from_specs(args.share_group, args.tenant_header, args.salt_secret),
         tokenizer=args.tokenizer, block_size=args.block_size, admin_key=args.admin_key,
         events_min_interval_s=args.kv_events_min_interval,

@@ -102,6 +102,7 @@ def apply_metrics(worker: WorkerState, text: str) -> bool:
     worker.num_waiting = int(totals.get("num_waiting", worker.num_waiting))
     if "batch_capacity" in totals:  # a kvserve worker says it
         worker.batch_capacity = int(totals["batch_capacity"])
+        worker.capacity_declared = True
     elif worker.num_waiting > 0:  # full: what runs now is as much as it runs at once
         worker.batch_capacity = max(worker.batch_capacity, worker.num_running)
     worker.kv_usage = totals.get("kv_usage", worker.kv_usage)

@@ -26,6 +26,7 @@ class WorkerState:
     kv_usage: float = 0.0
     kv_capacity_tokens: int = 0  # from the worker's /metrics; 0 until known
     batch_capacity: int = 0  # requests it runs at once, seen when it queued some; 0 until then
+    capacity_declared: bool = False  # the worker says its batch (kvserve:max_num_seqs)
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
     consecutive_failures: int = 0
@@ -74,12 +75,13 @@ class WorkerPool:
     def views(self, now: float) -> list[WorkerView]:
         return [w.view(now) for w in self.workers.values()]
 
-    def fleet_slots(self, now: float) -> int | None:
+    def fleet_slots(self, now: float, learned: bool = True) -> int | None:
         """Requests the healthy workers can hold without a queue of their own beyond a little
         headroom (`worker_slots`); None while some healthy worker's capacity is unknown (it
-        has not been seen full yet), or when none is healthy (the router answers that)."""
-        slots = [worker_slots(w.batch_capacity) for w in self.workers.values()
-                 if w.healthy and now >= w.ejected_until]
+        has not been seen full yet, or, unless `learned`, has not declared it), or when none
+        is healthy (the router answers that)."""
+        slots = [worker_slots(w.batch_capacity if learned or w.capacity_declared else 0)
+                 for w in self.workers.values() if w.healthy and now >= w.ejected_until]
         if not slots or 0 in slots:
             return None
         return sum(slots)
