@@ -16,9 +16,9 @@ overload, docs/benchmarks.md).
 A request whose client said how long it waits (`kvserve.client_timeout`) waits here up to
 half of what is left of that, so the worker has the other half to answer; `queue_timeout_s`
 is the guess for clients that do not say (a patient client is better served by a longer wait
-in order than by a 429 and a resend to the back of the queue). With `latency` the
-limit is also at most that AIMD limit (`latency_limit.py`), which falls when admitted requests
-start answering late and so bounds a fleet whose batch capacity says nothing of its speed.
+in order than by a 429 and a resend to the back of the queue). With `latency` the limit is
+also at most that AIMD limit (`latency_limit.py`), which falls when admitted requests start
+answering late and so bounds a fleet whose batch capacity says nothing of its speed.
 """
 
 from __future__ import annotations

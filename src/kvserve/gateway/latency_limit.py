@@ -7,10 +7,9 @@ gateway also keeps an AIMD limit, as TCP keeps its congestion window:
 
 - a late first byte (the workers took longer than LATE_FRACTION of the time its client had
   left when it went upstream; the wait for admission does not count, since this limit sets
-  it) or a client that left
-  before its first byte is a loss: the limit falls to `decrease` times what was in flight,
-  at most once per generation (requests admitted before the last cut were sent under the old
-  limit and say nothing about the new one);
+  it) or a client that left before its first byte is a loss: the limit falls to `decrease`
+  times what was in flight, at most once per generation (requests admitted before the last
+  cut were sent under the old limit and say nothing about the new one);
 - a first byte in time while the limit is in use (at least half of it in flight) adds one
   request per limit's worth of such answers, one a round trip.
 
@@ -19,7 +18,9 @@ Pure and synchronous (no clock of its own): the admission queue owns it.
 
 from __future__ import annotations
 
-LATE_FRACTION = 0.75  # a first byte after this much of its client's timeout is late
+# A first byte later than this fraction of the time its client had left at dispatch is late.
+LATE_FRACTION = 0.75
+
 
 class LatencyLimit:
     """AIMD limit in [floor, ceiling], starting at the ceiling (no loss seen yet)."""
