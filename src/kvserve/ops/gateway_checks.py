@@ -88,14 +88,10 @@ def _check_saturation(obs: Observation) -> list[Finding]:
     assert a is not None and b is not None
     dt = obs.interval_s
     evidence = []
-    before = a.by_label("kvserve:gateway_rejections_total", "reason")
-    rejected = {r: v - before.get(r, 0.0) for r, v
-                in b.by_label("kvserve:gateway_rejections_total", "reason").items()}
-    rejected = {r: v for r, v in rejected.items() if v > 0}
+    rejected = _increase_by(obs, "kvserve:gateway_rejections_total", "reason")
     if rejected:
         evidence.append(f"answered 429/503 to {sum(rejected.values()):.0f} requests in "
-                        f"{dt:.1f}s (" + ", ".join(f"{r}: {v:.0f}" for r, v in
-                                                   sorted(rejected.items())) + ")")
+                        f"{dt:.1f}s ({_listing(rejected)})")
     queued_a, queued_b = (m.value("kvserve:gateway_queued_requests") for m in (a, b))
     if queued_a > 0 and queued_b > 0:
         evidence.append(f"{queued_a:.0f} then {queued_b:.0f} requests waiting for admission")
@@ -117,17 +113,13 @@ def _check_saturation(obs: Observation) -> list[Finding]:
 def _slow_answers(obs: Observation) -> list[str]:
     """Workers answering later than the clients wait: deadlines that expired upstream, and
     the latency limit's cuts (the admission limit it left)."""
-    a, b = obs.first.metrics, obs.second.metrics
-    assert a is not None and b is not None
+    b = obs.second.metrics
+    assert b is not None
     evidence = []
-    before = a.by_label("kvserve:gateway_deadline_expired_total", "stage")
-    expired = {s: v - before.get(s, 0.0) for s, v
-               in b.by_label("kvserve:gateway_deadline_expired_total", "stage").items()}
-    expired = {s: v for s, v in expired.items() if v > 0}
+    expired = _increase_by(obs, "kvserve:gateway_deadline_expired_total", "stage")
     if expired:
         evidence.append(f"{sum(expired.values()):.0f} requests passed their clients' timeout "
-                        "before a worker started answering (" + ", ".join(
-                            f"{s}: {v:.0f}" for s, v in sorted(expired.items())) + "); the "
+                        f"before a worker started answering ({_listing(expired)}); the "
                         "gateway closed them upstream")
     cuts = delta(obs, "kvserve:gateway_latency_limit_cuts_total")
     if cuts > 0:
@@ -136,6 +128,19 @@ def _slow_answers(obs: Observation) -> list[str]:
                         f"(admission limit {b.value('kvserve:gateway_admission_limit'):.0f}): "
                         "the workers answer later than the clients wait")
     return evidence
+
+
+def _increase_by(obs: Observation, name: str, label: str) -> dict[str, float]:
+    """How much counter `name` grew over the window, per value of `label` (where it grew)."""
+    a, b = obs.first.metrics, obs.second.metrics
+    assert a is not None and b is not None
+    before = a.by_label(name, label)
+    grown = {k: v - before.get(k, 0.0) for k, v in b.by_label(name, label).items()}
+    return {k: v for k, v in grown.items() if v > 0}
+
+
+def _listing(counts: dict[str, float]) -> str:
+    return ", ".join(f"{k}: {v:.0f}" for k, v in sorted(counts.items()))
 
 
 def _policy(obs: Observation) -> str | None:
