@@ -76,7 +76,7 @@ def test_limits_are_checked() -> None:
         LatencyLimit(ceiling=4, decrease=1.0)
 
 
-def test_a_queued_request_waits_up_to_half_its_time_left() -> None:
+def test_a_queued_request_waits_at_most_half_its_time_left() -> None:
     async def scenario() -> None:
         admission = Admission(1, 8, queue_timeout_s=5.0)
         await admission.acquire()
@@ -87,16 +87,13 @@ def test_a_queued_request_waits_up_to_half_its_time_left() -> None:
         assert refused.value.reason == "deadline"
         assert 0.15 <= waited < 1.0, waited  # half of 0.4 s, not the 5 s queue timeout
         assert admission.in_flight == 1 and admission.queued == 0
-        # a patient client waits longer than the queue timeout, which guesses for the others
+        # a patient client still waits no longer than the operator's queue timeout
         admission.queue_timeout_s = 0.1
-        with pytest.raises(Saturated) as refused:
-            await admission.acquire()
-        assert refused.value.reason == "queue timeout"
         started = time.monotonic()
         with pytest.raises(Saturated) as refused:
-            await admission.acquire(deadline=started + 1.0)
-        assert refused.value.reason == "deadline"
-        assert time.monotonic() - started >= 0.45
+            await admission.acquire(deadline=started + 60.0)
+        assert refused.value.reason == "queue timeout"
+        assert time.monotonic() - started < 1.0
 
     asyncio.run(scenario())
 

@@ -13,12 +13,12 @@ would take longer than `queue_timeout_s` at the rate slots have been freed over 
 time instead was measured to leave the fleet idle while they waited (`kvserve bench gateway`,
 overload, docs/benchmarks.md).
 
-A request whose client said how long it waits (`kvserve.client_timeout`) waits here up to
-half of what is left of that, so the worker has the other half to answer; `queue_timeout_s`
-is the guess for clients that do not say (a patient client is better served by a longer wait
-in order than by a 429 and a resend to the back of the queue). With `latency` the limit is
-also at most that AIMD limit (`latency_limit.py`), which falls when admitted requests start
-answering late and so bounds a fleet whose batch capacity says nothing of its speed.
+A request whose client said how long it waits (`kvserve.client_timeout`) waits here at most
+half of what is left of that, so the worker has the other half to answer (and never longer
+than `queue_timeout_s`: the operator's bound holds for every client, and the OpenAI SDKs say
+600 s unless told otherwise). With `latency` the limit is also at most that AIMD limit
+(`latency_limit.py`), which falls when admitted requests start answering late and so bounds a
+fleet whose batch capacity says nothing of its speed.
 """
 
 from __future__ import annotations
@@ -109,17 +109,16 @@ class Admission:
     async def acquire(self, deadline: float | None = None) -> int:
         """Take a slot (a streamed response releases it when the stream ends) and return the
         latency limit's generation to report the first byte with; raises Saturated when none
-        comes within the queue limits. `deadline` (on `clock`): when the client gives up; it
-        bounds the wait instead of `queue_timeout_s`."""
+        comes within the queue limits. `deadline` (on `clock`): when the client gives up; the
+        wait is at most half the time left to it."""
         if not self._waiters and self.in_flight < self.limit:
             self.in_flight += 1
             return self.generation
         if len(self._waiters) >= self.max_queued:
             self.rejected += 1
             raise Saturated("queue full", self.retry_after_s)
-        # `queue_timeout_s` stands in for the patience of clients that do not say theirs.
         max_wait, reason = self.queue_timeout_s, "queue timeout"
-        if deadline is not None:
+        if deadline is not None and (deadline - self.clock()) / 2 < max_wait:
             max_wait, reason = max(0.0, (deadline - self.clock()) / 2), "deadline"
         wait = self.expected_wait_s()
         if wait is not None and wait > max_wait:

@@ -36,7 +36,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-timeout", type=float, default=1.0,
                    help="seconds a request may wait for a slot before 429 + Retry-After "
                         "(below the clients' own timeouts, so they back off, not resend); a "
-                        "client that sends its timeout waits up to half of it instead")
+                        "client that sends its timeout waits at most half of it")
     p.add_argument("--latency-limit", action=argparse.BooleanOptionalAction, default=True,
                    help="also limit requests in flight by whether they start answering in "
                         "time (AIMD: cut when a first byte is late or a client leaves before "
