@@ -22,6 +22,17 @@ from __future__ import annotations
 LATE_FRACTION = 0.75
 
 
+def is_late(upstream_s: float, left_at_dispatch_s: float | None,
+            ttft_target_s: float | None = None) -> bool:
+    """Whether the workers took too long to start answering: `upstream_s` from dispatch to
+    the first byte, against LATE_FRACTION of the time the client had left at dispatch (None:
+    it said nothing) and the operator's `ttft_target_s`. The wait for admission does not
+    count: it is what this limit sets. The gateway and the simulator both judge with this."""
+    if ttft_target_s is not None and upstream_s > ttft_target_s:
+        return True
+    return left_at_dispatch_s is not None and upstream_s > LATE_FRACTION * left_at_dispatch_s
+
+
 class LatencyLimit:
     """AIMD limit in [floor, ceiling], starting at the ceiling (no loss seen yet)."""
 

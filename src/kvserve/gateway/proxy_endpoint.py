@@ -31,7 +31,7 @@ from typing import Any
 from kvserve.client_timeout import BadTimeout, client_timeout_s
 from kvserve.gateway.admission import Admission, Saturated
 from kvserve.gateway.forward import Forwarder, NoWorkerAvailable, Upstream
-from kvserve.gateway.latency_limit import LATE_FRACTION
+from kvserve.gateway.latency_limit import is_late
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import NoHealthyWorker
 from kvserve.gateway.route_key import route_request_for
@@ -104,14 +104,8 @@ class _Budget:
         self.generation, self.admitted = generation, time.monotonic()
 
     def is_late(self, now: float) -> bool:
-        """Whether the workers took too long to start answering: longer than --ttft-target,
-        or than LATE_FRACTION of the time the client had left when the request went upstream.
-        The wait for admission is not the workers' doing (the limit this judges sets it)."""
-        upstream_s = now - self.admitted
-        if self.ttft_target_s is not None and upstream_s > self.ttft_target_s:
-            return True
-        left = self.left_s(self.admitted)
-        return left is not None and upstream_s > LATE_FRACTION * left
+        """Whether the workers took too long to start answering (`latency_limit.is_late`)."""
+        return is_late(now - self.admitted, self.left_s(self.admitted), self.ttft_target_s)
 
     @property
     def deadline(self) -> float | None:

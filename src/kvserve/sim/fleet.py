@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.gateway.latency_limit import LATE_FRACTION, LatencyLimit
+from kvserve.gateway.latency_limit import LatencyLimit, is_late
 from kvserve.gateway.policies import CapacityAware, RoutingPolicy, make_policy
 from kvserve.sim.client import Attempt, ClientConfig, ClientRequest, Outcome
 from kvserve.sim.costmodel import CostProfile
@@ -283,13 +283,11 @@ class FleetSimulator:
                 self._first_byte(attempt, attempt.request.first_token_at)
 
     def _first_byte(self, attempt: Attempt, at: float) -> None:
-        """Tell the latency limit, as gateway.proxy_endpoint does: late when the worker took
-        more than 3/4 of the time its client had left at dispatch (never, for clients
-        without a timeout)."""
+        """Tell the latency limit, judged as the gateway judges (`latency_limit.is_late`)."""
         assert self.latency is not None
         timeout = self.config.client.ttft_timeout_s
         left = None if timeout is None else attempt.sent_at + timeout - attempt.dispatched_at
-        if left is not None and at - attempt.dispatched_at > LATE_FRACTION * left:
+        if is_late(at - attempt.dispatched_at, left):
             self.latency.on_late(attempt.generation, self.gateway.num_in_flight)
         else:
             self.latency.on_time(self.gateway.num_in_flight)
