@@ -210,3 +210,76 @@ def test_the_rate_window_stays_bounded_without_a_queue() -> None:
         assert len(admission._freed) <= 2.0 / 0.01 + 1
 
     run(scenario())
+
+
+def test_a_resend_queues_ahead_of_requests_younger_than_its_first_send() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        admission = Admission(1, 8, 5.0, clock=clock)
+        await admission.acquire()
+        order: list[str] = []
+
+        async def waiter(name: str, since: float | None) -> None:
+            await admission.acquire(since=since)
+            order.append(name)
+
+        tasks = []
+        for name, since in (("new-1", None), ("new-2", None), ("resend", 90.0),
+                            ("older-resend", 80.0), ("new-3", None)):
+            clock.now += 1.0
+            tasks.append(asyncio.create_task(waiter(name, since)))
+            await _settle()
+        for _ in range(5):
+            admission.release()
+            await _settle()
+        assert order == ["older-resend", "resend", "new-1", "new-2", "new-3"]
+        await asyncio.gather(*tasks)
+
+    run(scenario())
+
+
+def test_the_refusal_on_arrival_counts_only_the_requests_ahead() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        admission = Admission(10, 100, 1.0, clock=clock)
+        for _ in range(10):
+            await admission.acquire()
+        for _ in range(10):  # 5 slots freed a second
+            clock.now += 0.1
+            admission.release()
+            await admission.acquire()
+        queued = [asyncio.create_task(admission.acquire()) for _ in range(5)]
+        await _settle()
+        with pytest.raises(Saturated):
+            await admission.acquire()  # a new request: 6 / 5 per s > 1 s
+        senior = asyncio.create_task(admission.acquire(since=50.0))  # first sent long ago
+        await _settle()
+        assert admission.queued == 6 and not senior.done()
+        admission.release()
+        await _settle()
+        assert senior.done() and not any(task.done() for task in queued)
+        for task in queued:
+            task.cancel()
+        await asyncio.gather(*queued, return_exceptions=True)
+
+    run(scenario())
+
+
+def test_a_departed_resend_leaves_the_queue_in_order() -> None:
+    async def scenario() -> None:
+        admission = Admission(1, 8, 5.0)
+        await admission.acquire()
+        tasks = {since: asyncio.create_task(admission.acquire(since=since))
+                 for since in (3.0, 1.0, 2.0)}
+        await _settle()
+        tasks[2.0].cancel()  # the middle one leaves
+        await _settle()
+        assert admission.queued == 2
+        admission.release()
+        await _settle()
+        assert tasks[1.0].done() and not tasks[3.0].done()
+        admission.release()
+        await _settle()
+        assert tasks[3.0].done() and admission.queued == 0 and admission.in_flight == 1
+
+    run(scenario())

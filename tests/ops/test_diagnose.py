@@ -173,6 +173,19 @@ def test_answers_later_than_clients_wait_are_saturation_with_the_latency_limit()
     assert "cut the latency limit 4 times, to 4 requests in flight" in finding.evidence[1]
 
 
+def test_clients_resending_what_the_fleet_has_not_answered_is_saturation() -> None:
+    def gateway(routed: float, resent: float) -> Metrics:
+        base = gateway_metrics(healthy={W0: 1}, routed={W0: routed})
+        extra = f"kvserve:gateway_resends_total {resent}\n"
+        return Metrics(base.families, base.samples + Metrics.from_text(extra).samples)
+
+    few = diagnose([observation(GW, gateway(100, 0), gateway(200, 5))])
+    assert not problems(few, Problem.SATURATION)  # 5 of 100: clients retrying now and then
+    report = diagnose([observation(GW, gateway(100, 0), gateway(200, 40))])
+    (finding,) = problems(report, Problem.SATURATION)
+    assert "clients resent 40 requests the fleet had not answered" in finding.evidence[0]
+
+
 def test_unreachable_target_is_critical() -> None:
     snap = Snapshot(W0, 0.0, error="/metrics: ConnectError")
     report = diagnose([Observation(W0, snap, snap)])

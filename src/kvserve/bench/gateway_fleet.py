@@ -163,6 +163,8 @@ def gateway_stats(urls: Sequence[str]) -> dict[str, float]:
                     key = "latency_limit_cuts"
                 elif sample.name == "kvserve:gateway_latency_limit":
                     key = "latency_limit_end"
+                elif sample.name == "kvserve:gateway_resends_total":
+                    key = "resends_seen"
                 elif sample.name in ("kvserve:gateway_added_latency_seconds_sum",
                                      "kvserve:gateway_added_latency_seconds_count"):
                     key = sample.name.rsplit("_", 1)[1] + "_added_s"

@@ -13,6 +13,11 @@ would take longer than `queue_timeout_s` at the rate slots have been freed over 
 time instead was measured to leave the fleet idle while they waited (`kvserve bench gateway`,
 overload, docs/benchmarks.md).
 
+The queue is ordered by when each request was first asked for (`since`, from
+`seniority.Seniority`), not by when this attempt arrived: a client's resend after a 429 or a
+timeout goes ahead of every request younger than it, so clients that are told to come back
+keep their place, and the refusal on arrival counts only the requests queued ahead of it.
+
 A request whose client said how long it waits (`kvserve.client_timeout`) waits here at most
 half of what is left of that, so the worker has the other half to answer (and never longer
 than `queue_timeout_s`: the operator's bound holds for every client, and the OpenAI SDKs say
@@ -24,11 +29,13 @@ fleet whose batch capacity says nothing of its speed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import bisect
+import itertools
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 
 from kvserve.gateway.latency_limit import LatencyLimit
 
@@ -45,9 +52,19 @@ class Saturated(Exception):
         self.retry_after_s = retry_after_s
 
 
+@dataclass(order=True, slots=True)
+class _Waiter:
+    """A queued request: ordered by when it was first asked for, then by arrival."""
+
+    since: float
+    seq: int
+    future: asyncio.Future[None] = field(compare=False)
+
+
 class Admission:
-    """At most `limit` requests run; up to `max_queued` wait for a slot, first come first
-    served. Call `refresh()` when `fleet_slots` may have grown (after a scrape)."""
+    """At most `limit` requests run; up to `max_queued` wait for a slot, served in the order
+    their requests were first asked for. Call `refresh()` when `fleet_slots` may have grown
+    (after a scrape)."""
 
     def __init__(self, max_in_flight: int, max_queued: int, queue_timeout_s: float,
                  retry_after_s: int = 1,
@@ -65,7 +82,8 @@ class Admission:
         self.clock = clock
         self.in_flight = 0
         self.rejected = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: list[_Waiter] = []  # sorted: the most senior first
+        self._seq = itertools.count()
         self._freed: deque[float] = deque()  # when slots were freed, within RATE_WINDOW_S
 
     @property
@@ -92,10 +110,13 @@ class Admission:
             return None
         return len(self._freed) / RATE_WINDOW_S
 
-    def expected_wait_s(self) -> float | None:
-        """How long a request queued now would wait for its slot; None when unknown."""
+    def expected_wait_s(self, ahead: int | None = None) -> float | None:
+        """How long a request queued now behind `ahead` others (default: all queued) would
+        wait for its slot; None when unknown."""
         rate = self.service_rate()
-        return None if rate is None else (len(self._waiters) + 1) / rate
+        if rate is None:
+            return None
+        return ((len(self._waiters) if ahead is None else ahead) + 1) / rate
 
     @asynccontextmanager
     async def slot(self) -> AsyncIterator[None]:
@@ -106,11 +127,12 @@ class Admission:
         finally:
             self.release()
 
-    async def acquire(self, deadline: float | None = None) -> int:
+    async def acquire(self, deadline: float | None = None, since: float | None = None) -> int:
         """Take a slot (a streamed response releases it when the stream ends) and return the
         latency limit's generation to report the first byte with; raises Saturated when none
         comes within the queue limits. `deadline` (on `clock`): when the client gives up; the
-        wait is at most half the time left to it."""
+        wait is at most half the time left to it. `since` (on `clock`; default now): when the
+        request was first asked for, its place in the queue."""
         if not self._waiters and self.in_flight < self.limit:
             self.in_flight += 1
             return self.generation
@@ -120,21 +142,24 @@ class Admission:
         max_wait, reason = self.queue_timeout_s, "queue timeout"
         if deadline is not None and (deadline - self.clock()) / 2 < max_wait:
             max_wait, reason = max(0.0, (deadline - self.clock()) / 2), "deadline"
-        wait = self.expected_wait_s()
+        entry = _Waiter(self.clock() if since is None else since, next(self._seq),
+                        asyncio.get_running_loop().create_future())
+        ahead = bisect.bisect(self._waiters, entry)
+        wait = self.expected_wait_s(ahead)
         if wait is not None and wait > max_wait:
             self.rejected += 1
             raise Saturated("queue wait", self.retry_after_s)
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        self._waiters.insert(ahead, entry)
+        waiter = entry.future
         try:
             async with asyncio.timeout(max_wait):
                 await waiter
         except TimeoutError:
-            self._abandon(waiter)
+            self._abandon(entry)
             self.rejected += 1
             raise Saturated(reason, self.retry_after_s) from None
         except BaseException:  # cancelled: the client left while queued
-            self._abandon(waiter)
+            self._abandon(entry)
             raise
         return self.generation
 
@@ -167,19 +192,20 @@ class Admission:
         self.refresh()
 
     def refresh(self) -> None:
-        """Hand free slots to the longest-waiting requests."""
+        """Hand free slots to the most senior queued requests."""
         limit = self.limit
         while self._waiters and self.in_flight < limit:
-            waiter = self._waiters.popleft()
+            waiter = self._waiters.pop(0).future
             if not waiter.done():
                 self.in_flight += 1
                 waiter.set_result(None)
 
-    def _abandon(self, waiter: asyncio.Future[None]) -> None:
-        if waiter.done() and not waiter.cancelled():
+    def _abandon(self, entry: _Waiter) -> None:
+        if entry.future.done() and not entry.future.cancelled():
             self.in_flight -= 1  # handed a slot just as it gave up: pass it on
             self.refresh()
             return
-        waiter.cancel()
-        with contextlib.suppress(ValueError):
-            self._waiters.remove(waiter)
+        entry.future.cancel()
+        index = bisect.bisect_left(self._waiters, entry)
+        if index < len(self._waiters) and self._waiters[index] is entry:
+            del self._waiters[index]

@@ -37,6 +37,7 @@ from kvserve.gateway.proxy_endpoint import (
 )
 from kvserve.gateway.retry_budget import RetryBudget
 from kvserve.gateway.scraper import Scraper
+from kvserve.gateway.seniority import Seniority
 from kvserve.gateway.tenancy import Tenancy
 from kvserve.gateway.text_capacity import TextCapacity
 from kvserve.gateway.token_keys import ExactKeys, workers_model_dir
@@ -62,6 +63,7 @@ class GatewaySettings:
     max_body_bytes: int = 8 * 1024 * 1024
     latency_limit: bool = True  # the AIMD limit from late first bytes (`latency_limit.py`)
     learned_capacity: bool = True  # admission counts batches learned from scrapes too
+    seniority: bool = True  # a resend queues in its first send's place (`seniority.py`)
     ttft_target_s: float | None = None  # a first byte later than this is late for that limit
     tenancy: Tenancy = field(default_factory=Tenancy)
     tokenizer: str | None = None  # the workers' tokenizer, for exact keys (`precise`)
@@ -204,6 +206,7 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
             for w in pool.workers.values()]}
 
     proxy = ProxyEndpoint(forwarder, admission, metrics, settings.tenancy, keys, capacity,
-                          settings.max_body_bytes, settings.ttft_target_s)
+                          settings.max_body_bytes, settings.ttft_target_s,
+                          Seniority() if settings.seniority else None)
     return GatewayApp(proxy, app)
 

@@ -127,6 +127,10 @@ class GatewayMetrics:
                                "before the first byte.", ["reason"], registry=reg)
         self.retry_denied = Counter("kvserve:gateway_retry_budget_exhausted", "Retries refused "
                                     "by the retry budget.", registry=reg)
+        self.resends = Counter("kvserve:gateway_resends", "Requests recognised as a client's "
+                               "resend of one not yet answered (the same tenant, path and body "
+                               "after a 429, a 504 or a client timeout): a retry storm's size.",
+                               registry=reg)
         self.rejections = Counter("kvserve:gateway_rejections", "Requests answered 429/503 by "
                                   "the gateway.", ["reason"], registry=reg)
         self.deadline_expired = Counter("kvserve:gateway_deadline_expired", "Requests whose "

@@ -15,7 +15,10 @@ Contract, per request:
   worker that has not started answering by its deadline is closed (freeing its blocks) and the
   client gets a 504, or an error event where the stream had begun; each first byte, and each
   client that left before one, tells the admission's latency limit whether the fleet answers in
-  time.
+  time;
+- a resend of a request not yet answered (the same tenant, path and body bytes, after a 429, a
+  504 or a client timeout) queues for admission in the place its first send took
+  (`seniority.py`).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import json
 import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.client_timeout import BadTimeout, client_timeout_s
@@ -35,6 +38,7 @@ from kvserve.gateway.latency_limit import is_late
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import NoHealthyWorker
 from kvserve.gateway.route_key import route_request_for
+from kvserve.gateway.seniority import Seniority, request_key
 from kvserve.gateway.tenancy import Tenancy
 from kvserve.gateway.text_capacity import TextCapacity
 from kvserve.gateway.token_keys import ExactKeys
@@ -99,6 +103,7 @@ class _Budget:
     generation: int | None = None
     admitted: float = 0.0
     answered: bool = False  # its first byte went to the client
+    key: bytes = b""  # recognises a resend of the same request (`seniority.request_key`)
 
     def admit(self, generation: int) -> None:
         self.generation, self.admitted = generation, time.monotonic()
@@ -165,6 +170,7 @@ class ProxyEndpoint:
     capacity: TextCapacity | None
     max_body_bytes: int
     ttft_target_s: float | None = None  # a first byte later than this is late, timeout or not
+    seniority: Seniority | None = field(default_factory=Seniority)  # None: queue by arrival
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.monotonic()
@@ -224,6 +230,7 @@ class ProxyEndpoint:
                                    f"{type(exc).__name__}", "upstream_error")
                 else:
                     reply = _Reply(status, content, content_type.encode("latin-1"))
+                    self._served(budget)
                 self._first_byte(budget)
                 await _send_reply(send, reply, echo)
                 return
@@ -246,6 +253,11 @@ class ProxyEndpoint:
         assert budget.generation is not None
         self.admission.first_byte(budget.generation, budget.is_late(time.monotonic()))
 
+    def _served(self, budget: _Budget) -> None:
+        """A worker answered: the same request sent again is a new one."""
+        if self.seniority is not None:
+            self.seniority.served(budget.key)
+
     async def _relay(self, upstream: Upstream, send: Send, budget: _Budget) -> None:
         """Pass an SSE stream through, then end the response. A worker that dies mid-stream,
         or sends nothing before the client's deadline, gives the client an error event and
@@ -262,6 +274,7 @@ class ProxyEndpoint:
                 first = None
             self._first_byte(budget)
             if first is not None:
+                self._served(budget)
                 await send({"type": "http.response.body", "body": first, "more_body": True})
                 async for chunk in chunks:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
@@ -300,8 +313,14 @@ class ProxyEndpoint:
                 and isinstance(body.get("prompt"), str)):
             self.capacity.sample(body["prompt"])
         forwarded = {k: v for k, v in headers.items() if k in FORWARDED_HEADERS}
+        since = None
+        if self.seniority is not None:
+            budget.key = request_key(salt, path, raw)
+            since = self.seniority.since(budget.key, budget.started)
+            if since < budget.started:
+                self.metrics.resends.inc()
         try:
-            budget.admit(await self.admission.acquire(budget.deadline))
+            budget.admit(await self.admission.acquire(budget.deadline, since))
         except Saturated as exc:
             self.metrics.rejections.labels(exc.reason).inc()
             return _error(429, f"the fleet is saturated ({exc.reason}); retry after "

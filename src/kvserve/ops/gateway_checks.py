@@ -100,6 +100,10 @@ def _check_saturation(obs: Observation) -> list[Finding]:
     if retries >= 3 and retries > 0.1 * routed:
         evidence.append(f"retry storm: {retries:.0f} retries for {routed:.0f} routed requests "
                         f"in {dt:.1f}s")
+    resent = delta(obs, "kvserve:gateway_resends_total")
+    if resent >= 3 and resent > 0.1 * (routed + sum(rejected.values())):
+        evidence.append(f"clients resent {resent:.0f} requests the fleet had not answered "
+                        f"(after a 429, a 504 or their own timeout) in {dt:.1f}s")
     denied = delta(obs, "kvserve:gateway_retry_budget_exhausted_total")
     if denied > 0:
         evidence.append(f"the retry budget refused {denied:.0f} retries")

@@ -93,6 +93,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     c.add_argument("--latency-limit", action=argparse.BooleanOptionalAction, default=True,
                    help="the gateway's AIMD admission limit, cut by late first tokens "
                         "(with --backpressure)")
+    c.add_argument("--seniority", action=argparse.BooleanOptionalAction, default=True,
+                   help="queue a resend in the place of its request's first send, as the "
+                        "gateway does (with --backpressure)")
     c.add_argument("--slo", type=float, default=5.0, help="TTFT objective for 'TTFT≤SLO', s")
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=None,
@@ -129,7 +132,7 @@ def build_tasks(args: argparse.Namespace) -> list[SimTask]:
         client = (ClientConfig.retrying(args.ttft_timeout, args.max_retries) if retrying
                   else ClientConfig())
         backpressure = (Backpressure(args.max_in_flight, args.max_queued, args.queue_timeout,
-                                     args.retry_after, args.latency_limit)
+                                     args.retry_after, args.latency_limit, args.seniority)
                         if throttled else None)
         for spec in policies:
             policy, option_specs = split_policy_spec(spec)

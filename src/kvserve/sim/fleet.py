@@ -8,8 +8,9 @@ except to report how long the run took; the same inputs give the same result.
 from __future__ import annotations
 
 import gc
+import heapq
+import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -99,7 +100,9 @@ class FleetSimulator:
         self.clients: list[ClientRequest] = []
         self.timeline: list[TimelineSample] = []
         self._attempt_of: dict[str, Attempt] = {}
-        self._queue: deque[Attempt] = deque()  # waiting for an admission slot (lazy removal)
+        # Waiting for an admission slot, by (seniority, arrival); lazy removal.
+        self._queue: list[tuple[float, int, Attempt]] = []
+        self._queue_seq = itertools.count()
         self._num_queued = 0
         self._arrivals: Iterator[ClientRequest] = iter(())
         self._num_done = 0
@@ -172,7 +175,8 @@ class FleetSimulator:
         elif self._num_queued < bp.max_queued:
             attempt.is_queued = True
             self._num_queued += 1
-            self._queue.append(attempt)
+            rank = attempt.request.arrival if bp.seniority else now
+            heapq.heappush(self._queue, (rank, next(self._queue_seq), attempt))
             self.events.push(now + bp.queue_timeout_s, Priority.CLIENT,
                              lambda t: self._on_queue_timeout(attempt, t))
         else:
@@ -199,7 +203,7 @@ class FleetSimulator:
         if bp is None:
             return
         while self._queue and self.gateway.num_in_flight < self._admission_limit():
-            attempt = self._queue.popleft()
+            attempt = heapq.heappop(self._queue)[2]
             if attempt.is_queued and not attempt.is_over:
                 self._leave_queue(attempt)
                 self._dispatch(attempt, now)

@@ -10,7 +10,10 @@ Admission mirrors gateway.admission: at most `max_in_flight` requests upstream f
 `max_queued` waiting for a slot for at most `queue_timeout_s`; past either limit, 429 with
 Retry-After. With `latency_limit` (the gateway's default) the limit is also at most the
 gateway's own AIMD limit (gateway.latency_limit, the same object), cut by first tokens later
-than 3/4 of the clients' timeout and by clients that time out after admission.
+than 3/4 of the clients' timeout and by clients that time out after admission. With
+`seniority` (the gateway's behaviour) the queue is ordered by when each request was first sent,
+so a resend after a 429 or a timeout goes ahead of younger requests (gateway.seniority);
+without it, by when each attempt arrived.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ class Backpressure:
     queue_timeout_s: float = 1.0
     retry_after_s: float = 1.0
     latency_limit: bool = True
+    seniority: bool = True
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1 or self.max_queued < 0 or self.queue_timeout_s < 0:
