@@ -137,3 +137,39 @@ def test_lateness_is_the_workers_time_not_the_wait_for_admission() -> None:
     assert budget.is_late(9.0)
     assert _Budget(0.0, 10.0, 2.0, 0, admitted=5.0).is_late(7.5)  # --ttft-target 2 s
     assert not _Budget(0.0, None, None, 0, admitted=5.0).is_late(500.0)  # nothing said
+
+
+def test_the_latency_limit_neither_bounds_nor_learns_where_it_does_not_apply() -> None:
+    async def scenario() -> None:
+        applies = [False]
+        latency = LatencyLimit(ceiling=8, floor=1)
+        admission = Admission(8, 8, queue_timeout_s=5.0, latency=latency,
+                              latency_applies=lambda: applies[0])
+        generations = [await admission.acquire() for _ in range(4)]
+        generation = generations[0]
+        admission.first_byte(generation, late=True)
+        admission.gave_up(generation)
+        assert latency.cuts == 0 and admission.limit == 8  # every worker declares its batch
+        applies[0] = True  # a vLLM worker joined: lateness counts again
+        admission.first_byte(generation, late=True)
+        assert latency.cuts == 1 and admission.limit == 2
+
+    asyncio.run(scenario())
+
+
+def test_the_latency_limit_applies_while_some_worker_does_not_declare_its_batch() -> None:
+    from kvserve.gateway.scraper import apply_metrics
+    from kvserve.gateway.worker_pool import WorkerPool
+
+    declared = 'kvserve:max_num_seqs{model_name="m"} 16\n'
+    pool = WorkerPool(["http://kvserve", "http://vllm"])
+    apply_metrics(pool.get("http://kvserve"), declared)
+    assert not pool.all_declared(0.0)  # the vLLM worker says nothing of its batch
+    pool.record_health("http://vllm", False, 0.0, "down")
+    assert pool.all_declared(0.0)  # the one healthy worker declares it
+    apply_metrics(pool.get("http://vllm"), declared)
+    pool.record_health("http://vllm", True, 0.0, None)
+    assert pool.all_declared(0.0)
+    pool.record_health("http://kvserve", False, 0.0, "down")
+    pool.record_health("http://vllm", False, 0.0, "down")
+    assert not pool.all_declared(0.0)  # nobody healthy

@@ -23,7 +23,10 @@ half of what is left of that, so the worker has the other half to answer (and ne
 than `queue_timeout_s`: the operator's bound holds for every client, and the OpenAI SDKs say
 600 s unless told otherwise). With `latency` the limit is also at most that AIMD limit
 (`latency_limit.py`), which falls when admitted requests start answering late and so bounds a
-fleet whose batch capacity says nothing of its speed.
+fleet whose batch capacity says nothing of its speed; while `latency_applies()` is False (every
+worker declares its batch and enforces its clients' deadlines itself, and the operator set no
+TTFT target) the AIMD limit neither bounds nor learns, since a cut there only turned away
+requests the fleet would have answered in time (docs/benchmarks.md, tenth session).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ class Admission:
                  retry_after_s: int = 1,
                  fleet_slots: Callable[[], int | None] | None = None,
                  latency: LatencyLimit | None = None,
+                 latency_applies: Callable[[], bool] = lambda: True,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if max_in_flight < 1 or max_queued < 0 or queue_timeout_s < 0:
             raise ValueError("max_in_flight >= 1, max_queued >= 0 and queue_timeout_s >= 0")
@@ -79,6 +83,7 @@ class Admission:
         self.retry_after_s = retry_after_s
         self.fleet_slots = fleet_slots
         self.latency = latency
+        self.latency_applies = latency_applies
         self.clock = clock
         self.in_flight = 0
         self.rejected = 0
@@ -93,7 +98,12 @@ class Admission:
         fleet = self.fleet_slots() if self.fleet_slots is not None else None
         if fleet is not None:
             limit = max(1, min(limit, fleet))
-        return limit if self.latency is None else min(limit, self.latency.limit)
+        latency = self._active_latency()
+        return limit if latency is None else min(limit, latency.limit)
+
+    def _active_latency(self) -> LatencyLimit | None:
+        """The AIMD limit, where it applies now."""
+        return self.latency if self.latency is not None and self.latency_applies() else None
 
     @property
     def queued(self) -> int:
@@ -170,19 +180,21 @@ class Admission:
     def first_byte(self, generation: int, late: bool) -> None:
         """A request admitted at `generation` started answering, `late` or in time (it still
         holds its slot)."""
-        if self.latency is None:
+        latency = self._active_latency()
+        if latency is None:
             return
         if late:
-            self.latency.on_late(generation, self.in_flight)
+            latency.on_late(generation, self.in_flight)
         else:
-            self.latency.on_time(self.in_flight)
+            latency.on_time(self.in_flight)
             self.refresh()
 
     def gave_up(self, generation: int) -> None:
         """The client of a request admitted at `generation` left before its first byte (it
         timed out: the fleet answers too slowly for it). Call before `release`."""
-        if self.latency is not None:
-            self.latency.on_late(generation, self.in_flight)
+        latency = self._active_latency()
+        if latency is not None:
+            latency.on_late(generation, self.in_flight)
 
     def release(self) -> None:
         self.in_flight -= 1

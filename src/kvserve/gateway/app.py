@@ -118,7 +118,9 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
     admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s,
                           fleet_slots=lambda: pool.fleet_slots(time.monotonic(),
                                                                settings.learned_capacity),
-                          latency=latency)
+                          latency=latency,
+                          latency_applies=lambda: (settings.ttft_target_s is not None
+                                                   or not pool.all_declared(time.monotonic())))
     budget = RetryBudget(ratio=settings.retry_ratio)
     keys = ExactKeys(settings.tokenizer, settings.block_size, settings.policy == "precise")
     metrics = GatewayMetrics(pool, admission, budget, keys)

@@ -41,7 +41,9 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                    help="also limit requests in flight by whether they start answering in "
                         "time (AIMD: cut when a first byte is late or a client leaves before "
                         "it); a late first byte is one past 3/4 of the client's timeout "
-                        "(x-kvserve-timeout, x-stainless-read-timeout) or --ttft-target")
+                        "(x-kvserve-timeout, x-stainless-read-timeout) or --ttft-target. It "
+                        "applies while some worker does not declare its batch (vLLM, SGLang), "
+                        "or always with --ttft-target")
     p.add_argument("--learned-capacity", action=argparse.BooleanOptionalAction, default=True,
                    help="count in the admission limit the batch of a vLLM or SGLang worker, "
                         "learned when a scrape saw it full (a kvserve worker declares its own)")

@@ -86,6 +86,12 @@ class WorkerPool:
             return None
         return sum(slots)
 
+    def all_declared(self, now: float) -> bool:
+        """Whether every healthy worker declares its batch (kvserve workers do); False when
+        none is healthy."""
+        healthy = [w for w in self.workers.values() if w.healthy and now >= w.ejected_until]
+        return bool(healthy) and all(w.capacity_declared for w in healthy)
+
     def get(self, url: str) -> WorkerState:
         return self.workers[url]
 
