@@ -168,17 +168,23 @@ class FakeClock:
         return self.now
 
 
+async def _fill_and_serve_ten(admission: Admission, clock: FakeClock) -> None:
+    """Fill 10 slots, then free and refill one every 0.1 s, ten times: 10 freed within the
+    2 s rate window, 5 a second."""
+    for _ in range(10):
+        await admission.acquire()
+    assert admission.expected_wait_s() is None  # nothing freed yet: no rate to go by
+    for _ in range(10):
+        clock.now += 0.1
+        admission.release()
+        await admission.acquire()
+
+
 def test_a_queue_longer_than_the_timeout_is_refused_at_once() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         admission = Admission(10, 100, 1.0, clock=clock)
-        for _ in range(10):
-            await admission.acquire()
-        assert admission.expected_wait_s() is None  # nothing freed yet: no rate to go by
-        for _ in range(10):  # 10 slots freed within a second, refilled each time
-            clock.now += 0.1
-            admission.release()
-            await admission.acquire()
+        await _fill_and_serve_ten(admission, clock)
         assert admission.service_rate() == 10 / 2.0  # per second, over the 2 s window
         queued = [asyncio.create_task(admission.acquire()) for _ in range(5)]
         await _settle()
@@ -242,12 +248,7 @@ def test_the_refusal_on_arrival_counts_only_the_requests_ahead() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         admission = Admission(10, 100, 1.0, clock=clock)
-        for _ in range(10):
-            await admission.acquire()
-        for _ in range(10):  # 5 slots freed a second
-            clock.now += 0.1
-            admission.release()
-            await admission.acquire()
+        await _fill_and_serve_ten(admission, clock)  # 5 slots freed a second
         queued = [asyncio.create_task(admission.acquire()) for _ in range(5)]
         await _settle()
         with pytest.raises(Saturated):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvserve.sim import Backpressure, ClientConfig, load_workload
+from kvserve.sim import Backpressure, ClientConfig, SimResult, load_workload
 from kvserve.workload import MultiTenantSpec
 from tests.sim.helpers import H100, run
 
@@ -65,17 +65,21 @@ def test_workers_can_carry_a_real_gateways_ids() -> None:
         run(workload, workers=2, worker_ids=("a", "a"))
 
 
+def _storm(backpressure: Backpressure) -> SimResult:
+    """Two workers, 8 tenants of ~27.5k-token prompts at 2/s, clients that resend after 5 s
+    without a first token (at most 3 times), behind `backpressure`."""
+    spec = MultiTenantSpec(num_tenants=8, num_requests=120, rate_per_s=2.0, skew=0.0, seed=3)
+    return run(load_workload("multi-tenant", spec=spec), workers=2, capacity=80_000,
+               block_size=64, profile=H100, client=ClientConfig.retrying(5.0, 3),
+               backpressure=backpressure)
+
+
 def test_the_latency_limit_holds_back_what_the_workers_cannot_answer_in_time() -> None:
     # The gateway knows no batch size (a vLLM fleet before a scrape saw it full): 256 may go
     # upstream, so without the latency limit the workers queue what they cannot start before
     # the clients' 5 s timeout, and those time out after admission and resend.
-    spec = MultiTenantSpec(num_tenants=8, num_requests=120, rate_per_s=2.0, skew=0.0, seed=3)
-    workload = load_workload("multi-tenant", spec=spec)
-    common = dict(workers=2, capacity=80_000, block_size=64, profile=H100,
-                  client=ClientConfig.retrying(5.0, 3))
-    slots_only = run(workload, backpressure=Backpressure(latency_limit=False),
-                     **common)  # type: ignore[arg-type]
-    limited = run(workload, backpressure=Backpressure(), **common)  # type: ignore[arg-type]
+    slots_only = _storm(Backpressure(latency_limit=False))
+    limited = _storm(Backpressure())
     assert slots_only.audit_ok and limited.audit_ok
     assert limited.num_retries * 2 < slots_only.num_retries
     assert limited.num_gave_up * 4 < slots_only.num_gave_up
@@ -86,15 +90,10 @@ def test_the_latency_limit_holds_back_what_the_workers_cannot_answer_in_time() -
 def test_resends_that_keep_their_place_shorten_the_tail_and_lose_nothing() -> None:
     # The storm above, with the latency limit: the gateway queues each resend in the place of
     # its first send (gateway.seniority), or, without seniority, behind every younger request.
-    spec = MultiTenantSpec(num_tenants=8, num_requests=120, rate_per_s=2.0, skew=0.0, seed=3)
-    workload = load_workload("multi-tenant", spec=spec)
-    common = dict(workers=2, capacity=80_000, block_size=64, profile=H100,
-                  client=ClientConfig.retrying(5.0, 3))
-    by_arrival = run(workload, backpressure=Backpressure(seniority=False),
-                     **common)  # type: ignore[arg-type]
-    by_first_send = run(workload, backpressure=Backpressure(), **common)  # type: ignore[arg-type]
+    by_arrival = _storm(Backpressure(seniority=False))
+    by_first_send = _storm(Backpressure())
     assert by_arrival.audit_ok and by_first_send.audit_ok
-    assert by_first_send.num_ok == len(workload.requests) > by_arrival.num_ok
+    assert by_first_send.num_ok == by_first_send.num_requests > by_arrival.num_ok
     assert by_first_send.num_retries * 2 < by_arrival.num_retries
     assert by_first_send.ttft_p99 is not None and by_arrival.ttft_p99 is not None
     assert by_first_send.ttft_p99 < 0.85 * by_arrival.ttft_p99
