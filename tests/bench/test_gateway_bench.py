@@ -284,3 +284,20 @@ def test_cpu_readings_count_what_the_processes_used_per_request(tmp_path: Path) 
     moved = CpuReading(None, {pid + 1: s for pid, s in after.workers_s.items()})
     assert moved.per_request_ms(before, 10) == {}
     assert after.per_request_ms(before, 0) == {}
+
+
+def test_the_clients_read_a_429s_wait_as_the_openai_sdks_do() -> None:
+    import httpx
+
+    from kvserve.bench.gateway_load import _retry_after_s
+
+    def wait(**headers: str) -> float:
+        return _retry_after_s(httpx.Headers({k.replace("_", "-"): v
+                                             for k, v in headers.items()}), 1.0)
+
+    assert wait(retry_after_ms="250", retry_after="1") == 0.25  # milliseconds first
+    assert wait(retry_after="2") == 2.0
+    assert wait(retry_after_ms="soon", retry_after="3") == 3.0
+    assert wait(retry_after="0") == 1.0  # not a wait: the default
+    assert wait(retry_after="600") == 1.0  # past 60 s: the default, as the SDKs do
+    assert wait() == 1.0

@@ -3,7 +3,8 @@
 Each request is sent at its arrival time (open loop: a slow fleet does not slow the arrivals),
 streaming, with the tenant in `X-Tenant-Id`. Clients behave like production ones (`ClientPolicy`):
 
-- a 429 or 503 is backpressure: wait `Retry-After` (default 1 s) and send again;
+- a 429 or 503 is backpressure: wait `retry-after-ms` or `Retry-After` (as the OpenAI
+  SDKs read them; default 1 s) and send again;
 - a failed attempt (connection refused or reset, an error before or during the stream) is resent
   after `error_backoff_s`, at most `max_retries` times;
 - with `ttft_timeout_s`, an attempt with no first token by then is abandoned (the connection is
@@ -92,6 +93,19 @@ class _Attempt:
     first_token: asyncio.Event = field(default_factory=asyncio.Event)
 
 
+def _retry_after_s(headers: httpx.Headers, default_s: float) -> float:
+    """How long a 429/503 says to wait, read as the OpenAI SDKs read it: `retry-after-ms`
+    first, then `Retry-After` in seconds; `default_s` when neither is a number in (0, 60]."""
+    for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
+        try:
+            wait = float(headers.get(name, "")) / scale
+        except ValueError:
+            continue
+        if 0.0 < wait <= 60.0:
+            return wait
+    return default_s
+
+
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, object],
                   tenant: str, started: float, attempt: _Attempt,
                   policy: ClientPolicy) -> None:
@@ -104,12 +118,7 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, object],
                                  headers=headers) as resp:
             if resp.status_code in (429, 503):
                 await resp.aread()
-                retry_after = resp.headers.get("Retry-After")
-                try:
-                    wait = float(retry_after) if retry_after else default_retry_after_s
-                except ValueError:
-                    wait = default_retry_after_s
-                raise _Rejected(wait)
+                raise _Rejected(_retry_after_s(resp.headers, default_retry_after_s))
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 raise _Failed(f"HTTP {resp.status_code}: {text[:200]}")
