@@ -155,8 +155,7 @@ def test_worker_killed_mid_stream_gives_a_clean_error_and_fails_over(
 # One request in flight fleet-wide; the rest are refused at once, or after 50 ms in the queue.
 SATURATION = {
     "queue full": ["--max-in-flight", "1", "--max-queued", "0"],
-    "queue timeout": ["--max-in-flight", "1", "--max-queued", "8", "--queue-timeout", "0.05",
-                      "--retry-after-ms", "250"],
+    "queue timeout": ["--max-in-flight", "1", "--max-queued", "8", "--queue-timeout", "0.05"],
 }
 
 
@@ -185,8 +184,6 @@ def test_saturated_fleet_answers_429_with_retry_after(fleet: list[Process], proc
         for exc in rejected:
             assert exc.status_code == 429
             assert int(exc.response.headers["retry-after"]) >= 1
-            assert exc.response.headers.get("retry-after-ms") == (
-                "250" if "--retry-after-ms" in SATURATION[reason] else None)
             assert exc.response.json()["error"]["type"] == "rate_limit_error"
         assert gateway.metrics().value("kvserve:gateway_rejections_total",
                                        reason=reason) == len(rejected)

@@ -64,7 +64,6 @@ class GatewaySettings:
     latency_limit: bool = True  # the AIMD limit from late first bytes (`latency_limit.py`)
     learned_capacity: bool = True  # admission counts batches learned from scrapes too
     seniority: bool = True  # a resend queues in its first send's place (`seniority.py`)
-    retry_after_ms: int | None = None  # sent with each admission 429 as `retry-after-ms`
     ttft_target_s: float | None = None  # a first byte later than this is late for that limit
     tenancy: Tenancy = field(default_factory=Tenancy)
     tokenizer: str | None = None  # the workers' tokenizer, for exact keys (`precise`)
@@ -210,7 +209,6 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
 
     proxy = ProxyEndpoint(forwarder, admission, metrics, settings.tenancy, keys, capacity,
                           settings.max_body_bytes, settings.ttft_target_s,
-                          Seniority() if settings.seniority else None,
-                          settings.retry_after_ms)
+                          Seniority() if settings.seniority else None)
     return GatewayApp(proxy, app)
 

@@ -51,10 +51,6 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                    help="queue a client's resend of a request not yet answered (same tenant, "
                         "path and body) in the place its first send took, ahead of younger "
                         "requests, instead of at the back")
-    p.add_argument("--retry-after-ms", type=int, default=None, metavar="MS",
-                   help="also send `retry-after-ms: MS` with the admission's 429s (Retry-After "
-                        "stays 1 s for other clients): the OpenAI SDKs read it first, so "
-                        "their resends, which keep their place in the queue, come back sooner")
     p.add_argument("--ttft-target", type=float, default=None, metavar="S",
                    help="a first byte later than S seconds is late, whatever the client said")
     p.add_argument("--retry-ratio", type=float, default=0.1,
@@ -93,7 +89,7 @@ def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] |
         max_in_flight=args.max_in_flight, max_queued=args.max_queued,
         queue_timeout_s=args.queue_timeout, retry_ratio=args.retry_ratio,
         latency_limit=args.latency_limit, ttft_target_s=args.ttft_target,
-        seniority=args.seniority, retry_after_ms=args.retry_after_ms,
+        seniority=args.seniority,
         learned_capacity=args.learned_capacity,
         tenancy=Tenancy.from_specs(args.share_group, args.tenant_header, args.salt_secret),
         tokenizer=args.tokenizer, block_size=args.block_size, admin_key=args.admin_key,

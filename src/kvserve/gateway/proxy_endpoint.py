@@ -171,7 +171,6 @@ class ProxyEndpoint:
     max_body_bytes: int
     ttft_target_s: float | None = None  # a first byte later than this is late, timeout or not
     seniority: Seniority | None = field(default_factory=Seniority)  # None: queue by arrival
-    retry_after_ms: int | None = None  # a 429's `retry-after-ms` (the OpenAI SDKs read it first)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.monotonic()
@@ -324,11 +323,8 @@ class ProxyEndpoint:
             budget.admit(await self.admission.acquire(budget.deadline, since))
         except Saturated as exc:
             self.metrics.rejections.labels(exc.reason).inc()
-            reply = _error(429, f"the fleet is saturated ({exc.reason}); retry after "
-                           f"{exc.retry_after_s}s", "rate_limit_error", str(exc.retry_after_s))
-            if self.retry_after_ms is not None:
-                reply.headers += ((b"retry-after-ms", b"%d" % self.retry_after_ms),)
-            return reply
+            return _error(429, f"the fleet is saturated ({exc.reason}); retry after "
+                          f"{exc.retry_after_s}s", "rate_limit_error", str(exc.retry_after_s))
         try:
             async with asyncio.timeout(budget.left_s()):
                 return await self.forwarder.open(path, body, forwarded, route, budget.started,
