@@ -81,7 +81,7 @@ class WorkerPool:
         has not been seen full yet, or, unless `learned`, has not declared it), or when none
         is healthy (the router answers that)."""
         slots = [worker_slots(w.batch_capacity if learned or w.capacity_declared else 0)
-                 for w in self.workers.values() if w.healthy and now >= w.ejected_until]
+                 for w in self.serving(now)]
         if not slots or 0 in slots:
             return None
         return sum(slots)
@@ -89,8 +89,12 @@ class WorkerPool:
     def all_declared(self, now: float) -> bool:
         """Whether every healthy worker declares its batch (kvserve workers do); False when
         none is healthy."""
-        healthy = [w for w in self.workers.values() if w.healthy and now >= w.ejected_until]
-        return bool(healthy) and all(w.capacity_declared for w in healthy)
+        serving = self.serving(now)
+        return bool(serving) and all(w.capacity_declared for w in serving)
+
+    def serving(self, now: float) -> list[WorkerState]:
+        """The workers that take traffic now: healthy and not ejected."""
+        return [w for w in self.workers.values() if w.healthy and now >= w.ejected_until]
 
     def get(self, url: str) -> WorkerState:
         return self.workers[url]
