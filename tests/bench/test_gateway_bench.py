@@ -301,3 +301,37 @@ def test_the_clients_read_a_429s_wait_as_the_openai_sdks_do() -> None:
     assert wait(retry_after="0") == 1.0  # not a wait: the default
     assert wait(retry_after="600") == 1.0  # past 60 s: the default, as the SDKs do
     assert wait() == 1.0
+
+
+@pytest.mark.parametrize("sdk_retries", [False, True])
+def test_a_429_spends_a_retry_only_where_the_clients_count_it_as_the_sdks_do(
+        sdk_retries: bool) -> None:
+    """The OpenAI SDKs count a 429 against `max_retries` (2 by default) like a timeout: with
+    `rejections_spend_retries` three 429s lose the request; without, it is sent until its
+    deadline."""
+    import asyncio
+
+    import httpx
+
+    from kvserve.bench.gateway_load import ClientPolicy, send_request
+
+    answers: list[int] = []
+
+    def always_busy(request: httpx.Request) -> httpx.Response:
+        answers.append(429)
+        return httpx.Response(429, headers={"retry-after-ms": "5"}, json={"error": "busy"})
+
+    async def scenario() -> None:
+        transport = httpx.MockTransport(always_busy)
+        async with httpx.AsyncClient(transport=transport) as client:
+            policy = ClientPolicy(max_retries=2, deadline_s=0.5,
+                                  rejections_spend_retries=sdk_retries)
+            request = GatewayRequest("r0", 0.0, "t0", "hello", 1, 1)
+            result = await send_request(client, request, "m", lambda r, n: "http://w", policy)
+        assert not result.ok and result.rejections == len(answers)
+        if sdk_retries:
+            assert result.rejections == 3 and result.error == "429 after 2 retries"
+        else:
+            assert result.rejections > 10 and result.error == "deadline passed"
+
+    asyncio.run(scenario())

@@ -11,6 +11,12 @@ import pytest
 from kvserve.client_timeout import BadTimeout, client_timeout_s, format_timeout
 from kvserve.gateway.admission import Admission, Saturated
 from kvserve.gateway.latency_limit import LatencyLimit
+from kvserve.gateway.queue_wait import (
+    ANSWER_SAMPLES,
+    MIN_ANSWER_SAMPLES,
+    AnswerTimes,
+    max_queue_wait,
+)
 
 
 def test_the_tightest_timeout_header_wins_in_seconds() -> None:
@@ -87,13 +93,72 @@ def test_a_queued_request_waits_at_most_half_its_time_left() -> None:
         assert refused.value.reason == "deadline"
         assert 0.15 <= waited < 1.0, waited  # half of 0.4 s, not the 5 s queue timeout
         assert admission.in_flight == 1 and admission.queued == 0
-        # a patient client still waits no longer than the operator's queue timeout
-        admission.queue_timeout_s = 0.1
+
+    asyncio.run(scenario())
+
+
+def test_a_client_that_says_its_timeout_waits_while_it_can_still_be_answered_in_time() -> None:
+    """`queue_wait.max_queue_wait`, exactly: the queue timeout for a client that says none;
+    for one that says, the queue timeout and half its time left as a floor, and more while
+    twice the recent answer time still fits, never past `max_queue_wait_s`."""
+    def wait(left: float | None, answer: float | None, cap: float = 30.0) -> tuple[float, str]:
+        return max_queue_wait(left, answer, queue_timeout_s=1.0, max_queue_wait_s=cap)
+
+    assert wait(None, 0.2) == (1.0, "queue timeout")  # says nothing: the operator's bound
+    assert wait(10.0, None) == (1.0, "queue timeout")  # answers not known yet: the floor
+    assert wait(1.2, None) == (0.6, "deadline")  # half its time left is below the floor
+    assert wait(10.0, 2.0) == (6.0, "deadline")  # 10 s less twice 2 s of answer
+    assert wait(3.0, 1.4) == (1.0, "queue timeout")  # slow answers: the floor, not 0.2 s
+    assert wait(600.0, 0.5) == (30.0, "queue timeout")  # the SDKs' default: the cap
+    assert wait(600.0, 0.5, cap=0.5) == (0.5, "queue timeout")
+    assert wait(-1.0, 0.1) == (0.0, "deadline")  # already past its deadline
+
+
+def test_answer_times_read_a_high_quantile_of_the_last_samples() -> None:
+    times = AnswerTimes()
+    for _ in range(MIN_ANSWER_SAMPLES - 1):
+        times.add(0.1)
+    assert times.recent_s() is None  # too few to tell
+    times.add(5.0)
+    assert times.recent_s() == 5.0  # one slow answer in eight is the 90th percentile
+    for _ in range(ANSWER_SAMPLES):
+        times.add(0.2)
+    assert times.recent_s() == 0.2  # old samples are forgotten
+    times.add(-1.0)
+    assert times.recent_s() == 0.2
+
+
+def test_a_patient_client_queues_past_the_queue_timeout_when_answers_are_quick() -> None:
+    async def scenario() -> None:
+        admission = Admission(1, 8, queue_timeout_s=0.05, max_queue_wait_s=5.0)
+        await admission.acquire()
+        for _ in range(MIN_ANSWER_SAMPLES):
+            admission.first_byte(admission.generation, late=False, answer_s=0.1)
         started = time.monotonic()
         with pytest.raises(Saturated) as refused:
-            await admission.acquire(deadline=started + 60.0)
+            await admission.acquire()  # says nothing: the operator's queue timeout
         assert refused.value.reason == "queue timeout"
-        assert time.monotonic() - started < 1.0
+        assert time.monotonic() - started < 0.25
+        started = time.monotonic()
+        with pytest.raises(Saturated) as refused:
+            await admission.acquire(deadline=started + 0.8)  # may wait 0.8 - 2 x 0.1 s
+        waited = time.monotonic() - started
+        assert refused.value.reason == "deadline"
+        assert 0.5 <= waited < 0.8, waited
+        assert admission.in_flight == 1 and admission.queued == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_patient_client_is_served_when_a_slot_frees_after_the_queue_timeout() -> None:
+    async def scenario() -> None:
+        admission = Admission(1, 8, queue_timeout_s=0.05)
+        await admission.acquire()
+        for _ in range(MIN_ANSWER_SAMPLES):
+            admission.first_byte(admission.generation, late=False, answer_s=0.5)
+        asyncio.get_running_loop().call_later(0.3, admission.release)
+        await admission.acquire(deadline=time.monotonic() + 10.0)
+        assert admission.in_flight == 1 and admission.rejected == 0
 
     asyncio.run(scenario())
 

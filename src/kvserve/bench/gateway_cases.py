@@ -96,7 +96,8 @@ class Bench:
 
     def client_policy(self, case: Case) -> ClientPolicy:
         return ClientPolicy(ttft_timeout_s=self.args.ttft_timeout if case.overload else None,
-                            max_retries=self.args.max_retries, deadline_s=self.args.deadline)
+                            max_retries=self.args.max_retries, deadline_s=self.args.deadline,
+                            rejections_spend_retries=self.args.sdk_retries)
 
     def overhead(self, router: RouterSpec, prompts: list[str]) -> OverheadRun:
         """The overhead case for one router (`ideal`: straight to the workers)."""

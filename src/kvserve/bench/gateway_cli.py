@@ -118,6 +118,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     c.add_argument("--ttft-timeout", type=float, default=3.0,
                    help="'overload' clients resend after this many seconds without a token")
     c.add_argument("--max-retries", type=int, default=3)
+    c.add_argument("--sdk-retries", action="store_true",
+                   help="a 429 spends one of --max-retries too, as the OpenAI SDKs count it "
+                        "(their default is 2): a request refused that often is lost")
     c.add_argument("--deadline", type=float, default=120.0, help="seconds before a request "
                    "counts as lost")
     c.add_argument("--gateway-max-in-flight", type=int, default=256,

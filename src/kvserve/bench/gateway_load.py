@@ -4,7 +4,10 @@ Each request is sent at its arrival time (open loop: a slow fleet does not slow 
 streaming, with the tenant in `X-Tenant-Id`. Clients behave like production ones (`ClientPolicy`):
 
 - a 429 or 503 is backpressure: wait `retry-after-ms` or `Retry-After` (as the OpenAI
-  SDKs read them; default 1 s) and send again;
+  SDKs read them; default 1 s) and send again; with `rejections_spend_retries` each one also
+  counts against `max_retries`, as the OpenAI SDKs count it (their `max_retries` covers 429s,
+  5xx, timeouts and connection errors alike, 2 by default), so a request refused that often
+  is lost;
 - a failed attempt (connection refused or reset, an error before or during the stream) is resent
   after `error_backoff_s`, at most `max_retries` times;
 - with `ttft_timeout_s`, an attempt with no first token by then is abandoned (the connection is
@@ -50,6 +53,7 @@ class ClientPolicy:
     deadline_s: float = 120.0
     error_backoff_s: float = 0.2
     default_retry_after_s: float = 1.0
+    rejections_spend_retries: bool = False
 
 
 @dataclass(slots=True)
@@ -189,6 +193,11 @@ async def send_request(client: httpx.AsyncClient, request: GatewayRequest, model
             return result
         except _Rejected as exc:
             result.rejections += 1
+            if policy.rejections_spend_retries:
+                retries += 1
+                if retries > policy.max_retries:
+                    result.error = f"429 after {policy.max_retries} retries"
+                    return result
             await asyncio.sleep(min(exc.retry_after_s, max(0.0, deadline - time.perf_counter())))
             continue
         except _Failed as exc:

@@ -18,12 +18,14 @@ The queue is ordered by when each request was first asked for (`since`, from
 timeout goes ahead of every request younger than it, so clients that are told to come back
 keep their place, and the refusal on arrival counts only the requests queued ahead of it.
 
-A request whose client said how long it waits (`kvserve.client_timeout`) waits here at most
-half of what is left of that, so the worker has the other half to answer (and never longer
-than `queue_timeout_s`: the operator's bound holds for every client, and the OpenAI SDKs say
-600 s unless told otherwise). With `latency` the limit is also at most that AIMD limit
-(`latency_limit.py`), which falls when admitted requests start answering late and so bounds a
-fleet whose batch capacity says nothing of its speed; while `latency_applies()` is False (every
+How long a request may wait for its slot is `queue_wait.max_queue_wait`: the operator's
+`queue_timeout_s` for a client that says no timeout; for one that says, while it can still be
+answered in time (its time left less twice the recent time from admission to a first byte,
+`first_byte(answer_s=...)`), at most `max_queue_wait_s`.
+
+With `latency` the limit is also at most that AIMD limit (`latency_limit.py`), which falls
+when admitted requests start answering late and so bounds a fleet whose batch capacity says
+nothing of its speed; while `latency_applies()` is False (every
 worker declares its batch and enforces its clients' deadlines itself, and the operator set no
 TTFT target) the AIMD limit neither bounds nor learns, since a cut there only turned away
 requests the fleet would have answered in time (docs/benchmarks.md, tenth session).
@@ -41,6 +43,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from kvserve.gateway.latency_limit import LatencyLimit
+from kvserve.gateway.queue_wait import AnswerTimes, max_queue_wait
 
 RATE_WINDOW_S = 2.0  # slots freed within this window give the service rate
 MIN_RATE_SAMPLES = 8  # fewer freed slots than this in the window: no estimate, just queue
@@ -70,16 +73,18 @@ class Admission:
     (after a scrape)."""
 
     def __init__(self, max_in_flight: int, max_queued: int, queue_timeout_s: float,
-                 retry_after_s: int = 1,
+                 retry_after_s: int = 1, max_queue_wait_s: float = 30.0,
                  fleet_slots: Callable[[], int | None] | None = None,
                  latency: LatencyLimit | None = None,
                  latency_applies: Callable[[], bool] = lambda: True,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if max_in_flight < 1 or max_queued < 0 or queue_timeout_s < 0:
-            raise ValueError("max_in_flight >= 1, max_queued >= 0 and queue_timeout_s >= 0")
+        if max_in_flight < 1 or max_queued < 0 or queue_timeout_s < 0 or max_queue_wait_s < 0:
+            raise ValueError("max_in_flight >= 1, max_queued >= 0, queue_timeout_s >= 0 and "
+                             "max_queue_wait_s >= 0")
         self.max_in_flight = max_in_flight
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
+        self.max_queue_wait_s = max_queue_wait_s
         self.retry_after_s = retry_after_s
         self.fleet_slots = fleet_slots
         self.latency = latency
@@ -90,6 +95,7 @@ class Admission:
         self._waiters: list[_Waiter] = []  # sorted: the most senior first
         self._seq = itertools.count()
         self._freed: deque[float] = deque()  # when slots were freed, within RATE_WINDOW_S
+        self.answer_times = AnswerTimes()  # from admission to a first byte
 
     @property
     def limit(self) -> int:
@@ -140,18 +146,18 @@ class Admission:
     async def acquire(self, deadline: float | None = None, since: float | None = None) -> int:
         """Take a slot (a streamed response releases it when the stream ends) and return the
         latency limit's generation to report the first byte with; raises Saturated when none
-        comes within the queue limits. `deadline` (on `clock`): when the client gives up; the
-        wait is at most half the time left to it. `since` (on `clock`; default now): when the
-        request was first asked for, its place in the queue."""
+        comes within the queue limits. `deadline` (on `clock`): when the client gives up
+        (`queue_wait.max_queue_wait`). `since` (on `clock`; default now): when the request
+        was first asked for, its place in the queue."""
         if not self._waiters and self.in_flight < self.limit:
             self.in_flight += 1
             return self.generation
         if len(self._waiters) >= self.max_queued:
             self.rejected += 1
             raise Saturated("queue full", self.retry_after_s)
-        max_wait, reason = self.queue_timeout_s, "queue timeout"
-        if deadline is not None and (deadline - self.clock()) / 2 < max_wait:
-            max_wait, reason = max(0.0, (deadline - self.clock()) / 2), "deadline"
+        max_wait, reason = max_queue_wait(None if deadline is None else deadline - self.clock(),
+                                          self.answer_times.recent_s(), self.queue_timeout_s,
+                                          self.max_queue_wait_s)
         entry = _Waiter(self.clock() if since is None else since, next(self._seq),
                         asyncio.get_running_loop().create_future())
         ahead = bisect.bisect(self._waiters, entry)
@@ -177,9 +183,11 @@ class Admission:
     def generation(self) -> int:
         return 0 if self.latency is None else self.latency.generation
 
-    def first_byte(self, generation: int, late: bool) -> None:
-        """A request admitted at `generation` started answering, `late` or in time (it still
-        holds its slot)."""
+    def first_byte(self, generation: int, late: bool, answer_s: float | None = None) -> None:
+        """A request admitted at `generation` started answering, `late` or in time, `answer_s`
+        seconds after its admission (it still holds its slot)."""
+        if answer_s is not None:
+            self.answer_times.add(answer_s)
         latency = self._active_latency()
         if latency is None:
             return
@@ -189,9 +197,12 @@ class Admission:
             latency.on_time(self.in_flight)
             self.refresh()
 
-    def gave_up(self, generation: int) -> None:
-        """The client of a request admitted at `generation` left before its first byte (it
-        timed out: the fleet answers too slowly for it). Call before `release`."""
+    def gave_up(self, generation: int, waited_s: float | None = None) -> None:
+        """The client of a request admitted at `generation` left before its first byte,
+        `waited_s` after its admission (it timed out: the fleet answers too slowly for it).
+        Call before `release`."""
+        if waited_s is not None:
+            self.answer_times.add(waited_s)  # its answer would have taken at least that
         latency = self._active_latency()
         if latency is not None:
             latency.on_late(generation, self.in_flight)

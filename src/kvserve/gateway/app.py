@@ -49,7 +49,8 @@ from kvserve.gateway.worker_pool import WorkerPool
 class GatewaySettings:
     """`max_in_flight`: requests open upstream at once (fleet-wide; less once the workers'
     batch capacity is known, `admission.py`); beyond it up to `max_queued` wait
-    `queue_timeout_s` for a slot, then get 429 + Retry-After."""
+    `queue_timeout_s` for a slot (a client that says its timeout: while it can still be
+    answered in time, at most `max_queue_wait_s`), then get 429 + Retry-After."""
 
     workers: tuple[str, ...]
     policy: str = "prefix_hash"
@@ -57,6 +58,7 @@ class GatewaySettings:
     max_in_flight: int = 256
     max_queued: int = 512
     queue_timeout_s: float = 1.0
+    max_queue_wait_s: float = 30.0
     request_timeout_s: float | None = 600.0
     retry_ratio: float = 0.1
     scrape_interval_s: float = 1.0
@@ -116,6 +118,7 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                             floor=min(len(settings.workers), settings.max_in_flight))
                if settings.latency_limit else None)
     admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s,
+                          max_queue_wait_s=settings.max_queue_wait_s,
                           fleet_slots=lambda: pool.fleet_slots(time.monotonic(),
                                                                settings.learned_capacity),
                           latency=latency,

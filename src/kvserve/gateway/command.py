@@ -34,9 +34,15 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                         "been seen full, at most their batch capacity plus a quarter")
     p.add_argument("--max-queued", type=int, default=512, help="requests waiting for a slot")
     p.add_argument("--queue-timeout", type=float, default=1.0,
-                   help="seconds a request may wait for a slot before 429 + Retry-After "
-                        "(below the clients' own timeouts, so they back off, not resend); a "
-                        "client that sends its timeout waits at most half of it")
+                   help="seconds a request whose client does not say its timeout may wait "
+                        "for a slot before 429 + Retry-After (below the clients' own "
+                        "timeouts, so they back off, not resend)")
+    p.add_argument("--max-queue-wait", type=float, default=30.0, metavar="S",
+                   help="a client that says its timeout (x-stainless-read-timeout, as the "
+                        "OpenAI SDKs send it; x-kvserve-timeout; Envoy's) waits for a slot "
+                        "while it can still be answered in time (its time left less twice "
+                        "the recent time from admission to a first byte), and at most S "
+                        "seconds, before 429 + Retry-After")
     p.add_argument("--latency-limit", action=argparse.BooleanOptionalAction, default=True,
                    help="also limit requests in flight by whether they start answering in "
                         "time (AIMD: cut when a first byte is late or a client leaves before "
@@ -77,6 +83,10 @@ def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] |
     if args.ttft_target is not None and not args.ttft_target > 0:
         raise ValueError(f"--ttft-target must be a positive number of seconds, got "
                          f"{args.ttft_target}")
+    for flag, value in (("--queue-timeout", args.queue_timeout),
+                        ("--max-queue-wait", args.max_queue_wait)):
+        if not 0.0 <= value < float("inf"):
+            raise ValueError(f"{flag} must be a number of seconds >= 0, got {value}")
     if not 0.0 <= args.kv_events_min_interval <= 60.0:
         raise ValueError("--kv-events-min-interval must be between 0 and 60 seconds, got "
                          f"{args.kv_events_min_interval}")
@@ -87,7 +97,8 @@ def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] |
         prefill_workers=prefill_urls, decode_workers=decode_urls, policy=args.policy,
         policy_options=tuple(parse_policy_options(args.policy_option).items()),
         max_in_flight=args.max_in_flight, max_queued=args.max_queued,
-        queue_timeout_s=args.queue_timeout, retry_ratio=args.retry_ratio,
+        queue_timeout_s=args.queue_timeout, max_queue_wait_s=args.max_queue_wait,
+        retry_ratio=args.retry_ratio,
         latency_limit=args.latency_limit, ttft_target_s=args.ttft_target,
         seniority=args.seniority,
         learned_capacity=args.learned_capacity,

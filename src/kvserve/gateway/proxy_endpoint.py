@@ -239,7 +239,8 @@ class ProxyEndpoint:
             await self._relay(upstream, send, budget)
         except asyncio.CancelledError:
             if budget.generation is not None and not budget.answered:
-                self.admission.gave_up(budget.generation)  # before release: it counts in flight
+                # before release: it counts in flight
+                self.admission.gave_up(budget.generation, time.monotonic() - budget.admitted)
             raise
         finally:
             # Both before anything can suspend: once the response is complete the client
@@ -251,7 +252,8 @@ class ProxyEndpoint:
         """The answer started (or the gateway gave up waiting for it): tell admission."""
         budget.answered = True
         assert budget.generation is not None
-        self.admission.first_byte(budget.generation, budget.is_late(time.monotonic()))
+        now = time.monotonic()
+        self.admission.first_byte(budget.generation, budget.is_late(now), now - budget.admitted)
 
     def _served(self, budget: _Budget) -> None:
         """A worker answered: the same request sent again is a new one."""

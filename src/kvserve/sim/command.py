@@ -88,7 +88,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "(overrides --retries/--backpressure)")
     c.add_argument("--max-in-flight", type=int, default=256)
     c.add_argument("--max-queued", type=int, default=512)
-    c.add_argument("--queue-timeout", type=float, default=1.0)
+    c.add_argument("--queue-timeout", type=float, default=1.0,
+                   help="seconds a client that says no timeout waits for a slot")
+    c.add_argument("--max-queue-wait", type=float, default=30.0,
+                   help="a client with --ttft-timeout says it and waits for a slot up to "
+                        "half of it, at most this many seconds")
     c.add_argument("--retry-after", type=float, default=1.0)
     c.add_argument("--latency-limit", action=argparse.BooleanOptionalAction, default=True,
                    help="the gateway's AIMD admission limit, cut by late first tokens "
@@ -132,7 +136,8 @@ def build_tasks(args: argparse.Namespace) -> list[SimTask]:
         client = (ClientConfig.retrying(args.ttft_timeout, args.max_retries) if retrying
                   else ClientConfig())
         backpressure = (Backpressure(args.max_in_flight, args.max_queued, args.queue_timeout,
-                                     args.retry_after, args.latency_limit, args.seniority)
+                                     args.retry_after, args.latency_limit, args.seniority,
+                                     args.max_queue_wait)
                         if throttled else None)
         for spec in policies:
             policy, option_specs = split_policy_spec(spec)

@@ -17,6 +17,7 @@ from typing import Any
 
 from kvserve.gateway.latency_limit import LatencyLimit, is_late
 from kvserve.gateway.policies import CapacityAware, RoutingPolicy, make_policy
+from kvserve.gateway.queue_wait import AnswerTimes, max_queue_wait
 from kvserve.sim.client import Attempt, ClientConfig, ClientRequest, Outcome
 from kvserve.sim.costmodel import CostProfile
 from kvserve.sim.events import EventQueue, Priority
@@ -104,6 +105,7 @@ class FleetSimulator:
         self._queue: list[tuple[float, int, Attempt]] = []
         self._queue_seq = itertools.count()
         self._num_queued = 0
+        self.answer_times = AnswerTimes()  # admission to first token, as the gateway keeps
         self._arrivals: Iterator[ClientRequest] = iter(())
         self._num_done = 0
         self._progress: Progress | None = None
@@ -177,7 +179,9 @@ class FleetSimulator:
             self._num_queued += 1
             rank = attempt.request.arrival if bp.seniority else now
             heapq.heappush(self._queue, (rank, next(self._queue_seq), attempt))
-            self.events.push(now + bp.queue_timeout_s, Priority.CLIENT,
+            wait_s, _ = max_queue_wait(timeout, self.answer_times.recent_s(),
+                                       bp.queue_timeout_s, bp.max_queue_wait_s)
+            self.events.push(now + wait_s, Priority.CLIENT,
                              lambda t: self._on_queue_timeout(attempt, t))
         else:
             self._throttle(attempt, now)
@@ -247,6 +251,7 @@ class FleetSimulator:
             self._leave_queue(attempt)
         elif attempt.seq is not None and attempt.worker_id is not None:
             del self._attempt_of[attempt.seq.seq_id]
+            self.answer_times.add(now - attempt.dispatched_at)  # at least that long
             if self.latency is not None:  # gave up after admission: the fleet is too slow
                 self.latency.on_late(attempt.generation, self.gateway.num_in_flight)
             self.workers[attempt.worker_id].abort(attempt.seq, now)
@@ -283,6 +288,7 @@ class FleetSimulator:
         if attempt is not None and attempt.request.first_token_at is None:
             # What the client sees also includes the API path (the profile's request overhead).
             attempt.request.first_token_at = now + self._overhead_s(attempt.request)
+            self.answer_times.add(attempt.request.first_token_at - attempt.dispatched_at)
             if self.latency is not None:
                 self._first_byte(attempt, attempt.request.first_token_at)
 

@@ -7,13 +7,15 @@ the policy expected cached: gateway.forward keeps the same count); `num_running`
 and `kv_usage` come from the last scrape of the workers' metrics, so they are up to one scrape
 interval stale, as in production (gateway.scraper).
 Admission mirrors gateway.admission: at most `max_in_flight` requests upstream fleet-wide, up to
-`max_queued` waiting for a slot for at most `queue_timeout_s`; past either limit, 429 with
-Retry-After. With `latency_limit` (the gateway's default) the limit is also at most the
-gateway's own AIMD limit (gateway.latency_limit, the same object), cut by first tokens later
-than 3/4 of the clients' timeout and by clients that time out after admission. With
-`seniority` (the gateway's behaviour) the queue is ordered by when each request was first sent,
-so a resend after a 429 or a timeout goes ahead of younger requests (gateway.seniority);
-without it, by when each attempt arrived.
+`max_queued` waiting for a slot for at most `queue_timeout_s` (a client with a TTFT timeout says
+it, as the OpenAI SDKs do, and waits by the gateway's rule, `gateway.queue_wait`, from the
+times admitted requests took to their first token); past either limit, 429 with Retry-After.
+With `latency_limit` (the gateway's default) the limit is also at most the gateway's own AIMD
+limit (gateway.latency_limit, the same object), cut by first tokens later than 3/4 of the
+clients' timeout and by clients that time out after admission. With `seniority` (the
+gateway's behaviour) the queue is ordered by when each request was first sent, so a resend
+after a 429 or a timeout goes ahead of younger requests (gateway.seniority); without it, by
+when each attempt arrived.
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ class Backpressure:
     retry_after_s: float = 1.0
     latency_limit: bool = True
     seniority: bool = True
+    max_queue_wait_s: float = 30.0
 
     def __post_init__(self) -> None:
-        if self.max_in_flight < 1 or self.max_queued < 0 or self.queue_timeout_s < 0:
-            raise ValueError("max_in_flight >= 1, max_queued >= 0 and queue_timeout_s >= 0")
+        if (self.max_in_flight < 1 or self.max_queued < 0 or self.queue_timeout_s < 0
+                or self.max_queue_wait_s < 0):
+            raise ValueError("max_in_flight >= 1, max_queued >= 0, queue_timeout_s >= 0 and "
+                             "max_queue_wait_s >= 0")
         if self.retry_after_s <= 0:
             raise ValueError("retry_after_s must be positive")
 
