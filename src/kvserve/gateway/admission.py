@@ -20,7 +20,7 @@ keep their place, and the refusal on arrival counts only the requests queued ahe
 
 How long a request may wait for its slot is `queue_wait.max_queue_wait`: the operator's
 `queue_timeout_s` for a client that says no timeout; for one that says, while it can still be
-answered in time (its time left less twice the recent time from admission to a first byte,
+answered in time (its time left less the recent time from admission to a first byte,
 `first_byte(answer_s=...)`), at most `max_queue_wait_s`.
 
 With `latency` the limit is also at most that AIMD limit (`latency_limit.py`), which falls

@@ -40,8 +40,8 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue-wait", type=float, default=30.0, metavar="S",
                    help="a client that says its timeout (x-stainless-read-timeout, as the "
                         "OpenAI SDKs send it; x-kvserve-timeout; Envoy's) waits for a slot "
-                        "while it can still be answered in time (its time left less twice "
-                        "the recent time from admission to a first byte), and at most S "
+                        "while it can still be answered in time (its time left less the "
+                        "recent time from admission to a first byte), and at most S "
                         "seconds, before 429 + Retry-After")
     p.add_argument("--latency-limit", action=argparse.BooleanOptionalAction, default=True,
                    help="also limit requests in flight by whether they start answering in "
