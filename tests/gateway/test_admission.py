@@ -127,6 +127,10 @@ def test_a_worker_s_batch_capacity_is_learned_when_it_queues() -> None:
     assert worker.batch_capacity == 16
     apply_metrics(worker, _exposition(2, 1))  # fewer fit (long prompts): the batch limit stays
     assert worker.batch_capacity == 16
+    apply_metrics(worker, _exposition(20, 0))  # it ran the quarter more it was let have
+    assert worker.batch_capacity == 20  # 16 was not its limit
+    apply_metrics(worker, _exposition(3, 0))
+    assert worker.batch_capacity == 20
 
 
 def test_a_kvserve_worker_s_declared_batch_needs_no_queue_to_learn() -> None:

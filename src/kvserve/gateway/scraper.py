@@ -103,7 +103,11 @@ def apply_metrics(worker: WorkerState, text: str) -> bool:
     if "batch_capacity" in totals:  # a kvserve worker says it
         worker.batch_capacity = int(totals["batch_capacity"])
         worker.capacity_declared = True
-    elif worker.num_waiting > 0:  # full: what runs now is as much as it runs at once
+    elif worker.num_waiting > 0 or worker.batch_capacity > 0:
+        # Full (some wait): what runs now is as much as it runs at once. Once a batch is
+        # learned, a worker seen running more (admission lets a quarter more through) runs
+        # at least that much: a batch seen while a burst's prefills queued behind the step's
+        # token budget is not its limit, and must not stay one.
         worker.batch_capacity = max(worker.batch_capacity, worker.num_running)
     worker.kv_usage = totals.get("kv_usage", worker.kv_usage)
     worker.kv_capacity_tokens = int(totals.get("kv_capacity_tokens", worker.kv_capacity_tokens))
