@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 # The main job: two local kvserve workers on the built-in demo model behind the cache-aware
 # gateway (Ctrl-C stops all three). WORKERS, POLICY and PORT can be overridden.
 WORKERS ?= 2
-POLICY ?= prefix_hash
+POLICY ?= cache_aware
 PORT ?= 8080
 run: venv
 	$(BIN)/kvserve up --workers $(WORKERS) --policy $(POLICY) --port $(PORT)

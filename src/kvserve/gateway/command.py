@@ -134,7 +134,10 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     u.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for each `kvserve serve` (repeatable)")
     add_gateway_arguments(u)
-    u.set_defaults(func=run_up)
+    # One gateway by construction, so no replicas to agree with: `cache_aware` kept the ideal
+    # split's hit rate in every one-gateway case measured (docs/benchmarks.md, eleventh
+    # session), where `prefix_hash`'s rendezvous split of a few tenants can be uneven.
+    u.set_defaults(func=run_up, policy="cache_aware")
 
 
 def run_gateway(args: argparse.Namespace) -> int:
