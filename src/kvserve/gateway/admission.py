@@ -25,10 +25,10 @@ answered in time (its time left less the recent time from admission to a first b
 
 With `latency` the limit is also at most that AIMD limit (`latency_limit.py`), which falls
 when admitted requests start answering late and so bounds a fleet whose batch capacity says
-nothing of its speed; while `latency_applies()` is False (every
-worker declares its batch and enforces its clients' deadlines itself, and the operator set no
-TTFT target) the AIMD limit neither bounds nor learns, since a cut there only turned away
-requests the fleet would have answered in time (docs/benchmarks.md, tenth session).
+nothing of its speed; while `latency_applies()` is False (every worker declares its batch and
+enforces its clients' deadlines itself, and the operator set no TTFT target) the AIMD limit
+neither bounds nor learns, since a cut there only turned away requests the fleet would have
+answered in time (docs/benchmarks.md, tenth session).
 """
 
 from __future__ import annotations

@@ -15,11 +15,10 @@ answering after its client gave up, and its prefill would be for nobody.
 The shorter bound stays a floor: where answers take nearly the clients' whole timeout (a storm
 far beyond the fleet, `kvserve simulate`), waiting only while an answer could still come in
 time turned every wait into an immediate 429, the queue's order was lost, and the tail grew.
-Measured (`kvserve bench gateway --cases overload --overload 24`, 3 s clients, four seeds,
-docs/benchmarks.md): leaving twice the answer time cut the gateway's 429s by half at most and
-its p99 stayed above SGLang's router's where that router's clients did not time out; leaving
-it once cut them to 43-367 and the p99 to 2.4-4.8 s, with no client timing out; leaving half
-of it was a little faster still but let clients time out after admission (8 on one seed).
+How much answer time to leave was measured (`kvserve bench gateway --cases overload
+--overload 24`, 3 s clients, four seeds, docs/benchmarks.md, eleventh session): leaving it
+twice gave a p99 of 3.1-5.0 s, once (this rule) 2.4-4.8 s with no client timing out, half
+2.3-3.7 s but 8 clients timed out after admission on one seed, each a prefill for nobody.
 """
 
 from __future__ import annotations
