@@ -91,8 +91,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     c.add_argument("--queue-timeout", type=float, default=1.0,
                    help="seconds a client that says no timeout waits for a slot")
     c.add_argument("--max-queue-wait", type=float, default=30.0,
-                   help="a client with --ttft-timeout says it and waits for a slot up to "
-                        "half of it, at most this many seconds")
+                   help="a client with --ttft-timeout says it and waits for a slot while "
+                        "it can still be answered in time (gateway.queue_wait), at most this "
+                        "many seconds")
     c.add_argument("--retry-after", type=float, default=1.0)
     c.add_argument("--latency-limit", action=argparse.BooleanOptionalAction, default=True,
                    help="the gateway's AIMD admission limit, cut by late first tokens "
