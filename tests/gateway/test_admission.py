@@ -172,14 +172,15 @@ class FakeClock:
         return self.now
 
 
-async def _fill_and_serve_ten(admission: Admission, clock: FakeClock) -> None:
-    """Fill 10 slots, then free and refill one every 0.1 s, ten times: 10 freed within the
-    2 s rate window, 5 a second."""
+async def _fill_and_serve_ten(admission: Admission, clock: FakeClock,
+                              every_s: float = 0.125) -> None:
+    """Fill 10 slots, then free and refill one every `every_s`, ten times: 10 freed within
+    the 2 s rate window, 8 a second by default (9 intervals in 1.125 s)."""
     for _ in range(10):
         await admission.acquire()
     assert admission.expected_wait_s() is None  # nothing freed yet: no rate to go by
     for _ in range(10):
-        clock.now += 0.1
+        clock.now += every_s
         admission.release()
         await admission.acquire()
 
@@ -189,22 +190,43 @@ def test_a_queue_longer_than_the_timeout_is_refused_at_once() -> None:
         clock = FakeClock()
         admission = Admission(10, 100, 1.0, clock=clock)
         await _fill_and_serve_ten(admission, clock)
-        assert admission.service_rate() == 10 / 2.0  # per second, over the 2 s window
-        queued = [asyncio.create_task(admission.acquire()) for _ in range(5)]
+        assert admission.service_rate() == 8.0  # per second, over the span of the frees
+        queued = [asyncio.create_task(admission.acquire()) for _ in range(8)]
         await _settle()
-        assert admission.queued == 5  # the 5th: 5 / (5 per s) = 1 s, still within the timeout
+        assert admission.queued == 8  # the 8th: 8 / (8 per s) = 1 s, still within the timeout
         with pytest.raises(Saturated) as info:
-            await admission.acquire()  # the 6th ahead of itself: 1.2 s > 1 s
+            await admission.acquire()  # the 9th ahead of itself: 1.125 s > 1 s
         assert info.value.reason == "queue wait" and info.value.retry_after_s == 1
-        assert admission.queued == 5 and admission.rejected == 1
+        assert admission.queued == 8 and admission.rejected == 1
         clock.now += 10.0  # the rate's window is stale: no estimate, so it queues again
         assert admission.service_rate() is None
         late = asyncio.create_task(admission.acquire())
         await _settle()
-        assert admission.queued == 6
+        assert admission.queued == 9
         for task in [*queued, late]:
             task.cancel()
         await asyncio.gather(*queued, late, return_exceptions=True)
+
+    run(scenario())
+
+
+def test_the_service_rate_spans_the_frees_not_the_whole_window() -> None:
+    """A burst that has just filled the fleet: ten frees in the last 0.45 s are 20 a second,
+    not the 5 a second that averaging over the whole 2 s window made of them, and a queue
+    of 15 (0.75 s at that rate) is not refused at once."""
+    async def scenario() -> None:
+        clock = FakeClock()
+        admission = Admission(10, 100, 1.0, clock=clock)
+        await _fill_and_serve_ten(admission, clock, every_s=0.05)
+        assert admission.service_rate() == pytest.approx(20.0)
+        queued = [asyncio.create_task(admission.acquire()) for _ in range(15)]
+        await _settle()
+        assert admission.queued == 15 and admission.rejected == 0
+        clock.now += 1.5  # no free since: the rate decays with the time since the first
+        assert admission.service_rate() == pytest.approx(9 / 1.95)
+        for task in queued:
+            task.cancel()
+        await asyncio.gather(*queued, return_exceptions=True)
 
     run(scenario())
 
@@ -252,14 +274,14 @@ def test_the_refusal_on_arrival_counts_only_the_requests_ahead() -> None:
     async def scenario() -> None:
         clock = FakeClock()
         admission = Admission(10, 100, 1.0, clock=clock)
-        await _fill_and_serve_ten(admission, clock)  # 5 slots freed a second
-        queued = [asyncio.create_task(admission.acquire()) for _ in range(5)]
+        await _fill_and_serve_ten(admission, clock)  # 8 slots freed a second
+        queued = [asyncio.create_task(admission.acquire()) for _ in range(8)]
         await _settle()
         with pytest.raises(Saturated):
-            await admission.acquire()  # a new request: 6 / 5 per s > 1 s
+            await admission.acquire()  # a new request: 9 / 8 per s > 1 s
         senior = asyncio.create_task(admission.acquire(since=50.0))  # first sent long ago
         await _settle()
-        assert admission.queued == 6 and not senior.done()
+        assert admission.queued == 9 and not senior.done()
         admission.release()
         await _settle()
         assert senior.done() and not any(task.done() for task in queued)

@@ -8,8 +8,8 @@ workers' queues: a client that leaves costs nothing, and a request that cannot s
 its client's own timeout fires and it resends, which is how a retry storm starts.
 
 A request is refused on arrival, not after waiting out the timeout, when the queue ahead of it
-would take longer than `queue_timeout_s` at the rate slots have been freed over the last
-`RATE_WINDOW_S`. Retry-After stays `retry_after_s` (1 s): telling clients the queue's drain
+would take longer than it may wait, at the rate slots have been freed over the last
+`RATE_WINDOW_S` (`service_rate`). Retry-After stays `retry_after_s` (1 s): telling clients the queue's drain
 time instead was measured to leave the fleet idle while they waited (`kvserve bench gateway`,
 overload, docs/benchmarks.md).
 
@@ -120,11 +120,16 @@ class Admission:
             self._freed.popleft()
 
     def service_rate(self) -> float | None:
-        """Slots freed per second over the last RATE_WINDOW_S; None with too few to tell."""
-        self._forget_old_frees(self.clock())
+        """Slots freed per second, over the span from the oldest free within the last
+        RATE_WINDOW_S to now; None with too few to tell. Over the span, not the whole window:
+        when a burst has just filled the fleet, the window's first part saw few frees, and
+        averaging it in took the rate for a fraction of what the fleet was doing and refused
+        requests it would have served in time."""
+        now = self.clock()
+        self._forget_old_frees(now)
         if len(self._freed) < MIN_RATE_SAMPLES:
             return None
-        return len(self._freed) / RATE_WINDOW_S
+        return (len(self._freed) - 1) / max(now - self._freed[0], 1e-3)
 
     def expected_wait_s(self, ahead: int | None = None) -> float | None:
         """How long a request queued now behind `ahead` others (default: all queued) would
