@@ -43,7 +43,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from kvserve.gateway.latency_limit import LatencyLimit
-from kvserve.gateway.queue_wait import AnswerTimes, max_queue_wait
+from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S, AnswerTimes, max_queue_wait
 
 RATE_WINDOW_S = 2.0  # slots freed within this window give the service rate
 MIN_RATE_SAMPLES = 8  # fewer freed slots than this in the window: no estimate, just queue
@@ -73,7 +73,8 @@ class Admission:
     (after a scrape)."""
 
     def __init__(self, max_in_flight: int, max_queued: int, queue_timeout_s: float,
-                 retry_after_s: int = 1, max_queue_wait_s: float = 30.0,
+                 retry_after_s: int = 1,
+                 max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S,
                  fleet_slots: Callable[[], int | None] | None = None,
                  latency: LatencyLimit | None = None,
                  latency_applies: Callable[[], bool] = lambda: True,

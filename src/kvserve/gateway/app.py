@@ -35,6 +35,7 @@ from kvserve.gateway.proxy_endpoint import (
     Send,
     error_body,
 )
+from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
 from kvserve.gateway.retry_budget import RetryBudget
 from kvserve.gateway.scraper import Scraper
 from kvserve.gateway.seniority import Seniority
@@ -58,7 +59,7 @@ class GatewaySettings:
     max_in_flight: int = 256
     max_queued: int = 512
     queue_timeout_s: float = 1.0
-    max_queue_wait_s: float = 30.0
+    max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
     request_timeout_s: float | None = 600.0
     retry_ratio: float = 0.1
     scrape_interval_s: float = 1.0

@@ -18,6 +18,7 @@ from rich.console import Console
 from kvserve.gateway.app import GatewaySettings, create_gateway
 from kvserve.gateway.kv_events import DEFAULT_MIN_POLL_INTERVAL_S
 from kvserve.gateway.policies import POLICY_NAMES, make_policy, parse_policy_options
+from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
 from kvserve.gateway.tenancy import Tenancy
 
 
@@ -37,7 +38,7 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a request whose client does not say its timeout may wait "
                         "for a slot before 429 + Retry-After (below the clients' own "
                         "timeouts, so they back off, not resend)")
-    p.add_argument("--max-queue-wait", type=float, default=30.0, metavar="S",
+    p.add_argument("--max-queue-wait", type=float, default=DEFAULT_MAX_QUEUE_WAIT_S, metavar="S",
                    help="a client that says its timeout (x-stainless-read-timeout, as the "
                         "OpenAI SDKs send it; x-kvserve-timeout; Envoy's) waits for a slot "
                         "while it can still be answered in time (its time left less the "

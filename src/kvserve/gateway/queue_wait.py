@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections import deque
 
+DEFAULT_MAX_QUEUE_WAIT_S = 30.0  # the longest wait for a slot, whatever the client says
 ANSWER_SAMPLES = 64  # the last admissions whose time to a first byte `recent_s` reads
 MIN_ANSWER_SAMPLES = 8
 ANSWER_QUANTILE = 0.9

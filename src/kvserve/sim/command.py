@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from kvserve.gateway.policies import parse_policy_options, split_policy_spec
+from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
 from kvserve.sim.client import ClientConfig
 from kvserve.sim.fleet import SIMULATED_POLICIES, SimConfig
 from kvserve.sim.gateway import Backpressure
@@ -90,7 +91,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     c.add_argument("--max-queued", type=int, default=512)
     c.add_argument("--queue-timeout", type=float, default=1.0,
                    help="seconds a client that says no timeout waits for a slot")
-    c.add_argument("--max-queue-wait", type=float, default=30.0,
+    c.add_argument("--max-queue-wait", type=float, default=DEFAULT_MAX_QUEUE_WAIT_S,
                    help="a client with --ttft-timeout says it and waits for a slot while "
                         "it can still be answered in time (gateway.queue_wait), at most this "
                         "many seconds")

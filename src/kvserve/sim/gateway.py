@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvserve.gateway.policies import RouteRequest, RoutingPolicy, WorkerView
+from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +37,7 @@ class Backpressure:
     retry_after_s: float = 1.0
     latency_limit: bool = True
     seniority: bool = True
-    max_queue_wait_s: float = 30.0
+    max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
 
     def __post_init__(self) -> None:
         if (self.max_in_flight < 1 or self.max_queued < 0 or self.queue_timeout_s < 0
