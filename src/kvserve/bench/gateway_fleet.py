@@ -134,8 +134,8 @@ class SglangRouter(ManagedProcess):
 def gateway_stats(urls: Sequence[str]) -> dict[str, float]:
     """What kvserve gateway replicas say they did (their /metrics, summed): requests by decision
     branch, retries by reason, upstream errors, rejections by reason, deadlines expired by
-    stage, latency-limit cuts, the latency and admission limits at the end, and the mean time
-    spent before going upstream."""
+    stage, latency-limit cuts, the latency and admission limits at the end, how many replicas
+    saw other routers on their workers, and the mean time spent before going upstream."""
     from prometheus_client.parser import text_string_to_metric_families
 
     stats: dict[str, float] = {}
@@ -165,6 +165,8 @@ def gateway_stats(urls: Sequence[str]) -> dict[str, float]:
                     key = "latency_limit_end"
                 elif sample.name == "kvserve:gateway_resends_total":
                     key = "resends_seen"
+                elif sample.name == "kvserve:gateway_shared_workers":
+                    key = "replicas_seeing_shared_workers"
                 elif sample.name in ("kvserve:gateway_added_latency_seconds_sum",
                                      "kvserve:gateway_added_latency_seconds_count"):
                     key = sample.name.rsplit("_", 1)[1] + "_added_s"

@@ -4,6 +4,7 @@ replicas: the routing policy needs no shared state."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -17,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenizers import Tokenizer
 
 from kvserve.gateway.admission import Admission
+from kvserve.gateway.foreign_load import ForeignLoad
 from kvserve.gateway.forward import Forwarder
 from kvserve.gateway.kv_events import DEFAULT_MIN_POLL_INTERVAL_S, EventFollower
 from kvserve.gateway.latency_limit import LatencyLimit
@@ -25,6 +27,7 @@ from kvserve.gateway.policies import (
     CapacityAware,
     DisaggregatedRouter,
     PrecisePolicy,
+    SharesWorkers,
     make_policy,
 )
 from kvserve.gateway.proxy_endpoint import (
@@ -44,6 +47,13 @@ from kvserve.gateway.text_capacity import TextCapacity
 from kvserve.gateway.token_keys import ExactKeys, workers_model_dir
 from kvserve.gateway.upstream_http import UpstreamClient
 from kvserve.gateway.worker_pool import WorkerPool
+
+log = logging.getLogger(__name__)
+
+REPLICA_SAFE_POLICIES = ("prefix_hash", "precise", "round_robin", "least_load")
+"""Policies whose choices do not depend on what this gateway alone has routed: replicas of the
+gateway choose alike (prefix_hash: rendezvous hashing; precise: the workers' own KV events) or
+keep no affinity to lose."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +113,28 @@ def _error(status: int, message: str, err_type: str = "invalid_request_error") -
     return Response(error_body(status, message, err_type), status, media_type="application/json")
 
 
+def _on_shared(shared: bool, policy: object, name: str, foreign: ForeignLoad) -> None:
+    """The gateway's verdict on whether its workers serve other routers' requests changed:
+    tell the policy, and say what it means for this policy."""
+    if isinstance(policy, SharesWorkers):
+        policy.set_shared_workers(shared)
+    if not shared:
+        log.info("kvserve gateway: the workers no longer serve requests this gateway did not "
+                 "send")
+        return
+    seen = (f"the workers serve requests this gateway did not send ({foreign.share:.0%} of "
+            f"the requests they reported over the last minute): other gateway replicas, or "
+            f"clients that bypass the gateway")
+    if name in REPLICA_SAFE_POLICIES:
+        log.info("kvserve gateway: %s; %s routes alike on every replica", seen, name)
+    else:
+        log.warning("kvserve gateway: %s. %s learns where prefixes are cached from this "
+                    "gateway's own traffic only, so replicas place tenants apart and the "
+                    "fleet's prefix hit rate falls (docs/operations.md, 'Replicas'): run every "
+                    "replica with --policy precise (kvserve workers) or --policy prefix_hash",
+                    seen, name)
+
+
 def create_gateway(settings: GatewaySettings) -> GatewayApp:
     pool = WorkerPool(list(settings.workers))
     policy = make_policy(settings.policy, **dict(settings.policy_options))
@@ -127,7 +159,8 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                                                    or not pool.all_declared(time.monotonic())))
     budget = RetryBudget(ratio=settings.retry_ratio)
     keys = ExactKeys(settings.tokenizer, settings.block_size, settings.policy == "precise")
-    metrics = GatewayMetrics(pool, admission, budget, keys)
+    foreign = ForeignLoad()
+    metrics = GatewayMetrics(pool, admission, budget, keys, foreign, settings.policy)
     client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
                                                    max_keepalive_connections=256))
     upstream_client = UpstreamClient()
@@ -139,7 +172,9 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
     scraper = Scraper(pool, upstream_client, settings.scrape_interval_s,
                       on_restart=policy.remove_worker,
                       on_capacity=capacity.worker_capacity if capacity is not None else None,
-                      on_scraped=admission.refresh)
+                      on_scraped=admission.refresh, foreign=foreign,
+                      on_shared=lambda shared: _on_shared(shared, policy, settings.policy,
+                                                          foreign))
     follower = (EventFollower(pool, policy, upstream_client, settings.events_interval_s,
                               settings.admin_key,
                               min_interval_s=settings.events_min_interval_s)
@@ -200,10 +235,12 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                          "tokenizer": capacity.tokenizer is not None}
         return {"policy": settings.policy,
                 "mode": "disaggregated" if disagg is not None else "unified",
+                "shared_workers": {"detected": foreign.shared, "foreign_share": foreign.share},
                 "text_keys": text_keys, "workers": [
             {"url": w.url, "role": w.role, "healthy": w.view(now).healthy,
              "in_flight": w.in_flight, "prefill_backlog_tokens": w.prefill_backlog_tokens,
              "num_running": w.num_running, "num_waiting": w.num_waiting,
+             "foreign_requests": w.foreign,
              "kv_usage": w.kv_usage, "kv_capacity_tokens": w.kv_capacity_tokens or None,
              "prefix_hit_rate": (w.prefix_hits / w.prefix_queries
                                                          if w.prefix_queries else None),

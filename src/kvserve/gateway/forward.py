@@ -50,10 +50,13 @@ class Upstream:
     decision: RouteDecision
     pool: WorkerPool
     closed: bool = False
+    ended: bool = False  # the whole body was read: the worker is done with the request
 
     async def read(self) -> bytes:
         try:
-            return await self.response.aread()
+            body = await self.response.aread()
+            self.ended = True
+            return body
         finally:
             await self.close()
 
@@ -63,13 +66,17 @@ class Upstream:
         try:
             async for chunk in self.response.aiter_raw():
                 yield chunk
+            self.ended = True
         finally:
             await self.close()
 
     async def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self.pool.get(self.worker_url).in_flight -= 1
+            worker = self.pool.get(self.worker_url)
+            worker.in_flight -= 1
+            if not self.ended:  # the worker may count it until it sees the disconnect
+                worker.abandoned += 1
             await self.response.aclose()
 
 
@@ -130,6 +137,7 @@ class Forwarder:
                                             BACKPRESSURE else "error").inc()
             worker = self.pool.get(url)
             worker.in_flight += 1
+            worker.dispatched += 1
             # Recorded now, not when the worker answers: a kvserve worker sends its headers
             # with the first token, and a burst of one prefix arriving meanwhile must see where
             # it went (else each finds no holder and the prefix is computed on every worker).
@@ -144,6 +152,7 @@ class Forwarder:
             prefill = self.pool.get(prefill_url) if prefill_url is not None else None
             if prefill is not None:
                 prefill.in_flight += 1
+                prefill.dispatched += 1
             # The prompt's prefill is work ahead of later requests on the worker computing it,
             # until the first byte (a kvserve worker answers with its first token). A unified
             # retry goes where the policy predicted nothing: count the whole prompt there.

@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvserve.gateway.admission import Admission
+from kvserve.gateway.foreign_load import ForeignLoad
 from kvserve.gateway.retry_budget import RetryBudget
 from kvserve.gateway.token_keys import ExactKeys
 from kvserve.gateway.worker_pool import WorkerPool
@@ -22,10 +23,13 @@ ADDED_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2
 class PoolCollector(Collector):
     """Per-worker state and the fleet's achieved prefix hit rate, read at scrape time."""
 
-    def __init__(self, pool: WorkerPool, admission: Admission, budget: RetryBudget) -> None:
+    def __init__(self, pool: WorkerPool, admission: Admission, budget: RetryBudget,
+                 foreign: ForeignLoad | None = None, policy: str = "") -> None:
         self.pool = pool
         self.admission = admission
         self.budget = budget
+        self.foreign = foreign
+        self.policy = policy
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         healthy = GaugeMetricFamily("kvserve:gateway_worker_healthy", "1 if the worker takes "
@@ -42,6 +46,10 @@ class PoolCollector(Collector):
                                      labels=["worker"])
         role = GaugeMetricFamily("kvserve:gateway_worker_role", "1 for the worker's role: both "
                                  "(unified), prefill or decode.", labels=["worker", "role"])
+        foreign = GaugeMetricFamily("kvserve:gateway_worker_foreign_requests", "Requests the "
+                                    "worker reported at the last scrape that this gateway did "
+                                    "not send (at least): other routers', or direct clients'.",
+                                    labels=["worker"])
         hits = queries = 0.0
         for w in self.pool.workers.values():
             role.add_metric([w.url, w.role], 1.0)
@@ -49,11 +57,24 @@ class PoolCollector(Collector):
             in_flight.add_metric([w.url], w.in_flight)
             backlog.add_metric([w.url], w.prefill_backlog_tokens)
             waiting.add_metric([w.url], w.num_waiting)
+            foreign.add_metric([w.url], w.foreign)
             hit_rate.add_metric([w.url], w.prefix_hits / w.prefix_queries
                                 if w.prefix_queries else 0.0)
             hits += w.prefix_hits
             queries += w.prefix_queries
-        yield from (role, healthy, in_flight, backlog, waiting, hit_rate)
+        yield from (role, healthy, in_flight, backlog, waiting, foreign, hit_rate)
+        if self.foreign is not None:
+            share = GaugeMetricFamily("kvserve:gateway_foreign_load_share", "Of the requests the "
+                                      "workers reported over the last minute of scrapes, the "
+                                      "share this gateway did not send (about (k-1)/k behind k "
+                                      "replicas).", labels=["policy"])
+            share.add_metric([self.policy], self.foreign.share)
+            yield share
+            shared = GaugeMetricFamily("kvserve:gateway_shared_workers", "1 once the gateway "
+                                       "sees other routers' requests on its workers (see "
+                                       "kvserve:gateway_foreign_load_share).", labels=["policy"])
+            shared.add_metric([self.policy], 1.0 if self.foreign.shared else 0.0)
+            yield shared
         fleet = GaugeMetricFamily("kvserve:gateway_fleet_prefix_hit_rate", "Prefix-cache hit "
                                   "rate over all workers (achieved).")
         fleet.add_metric([], hits / queries if queries else 0.0)
@@ -115,10 +136,11 @@ class GatewayMetrics:
     """The gateway's registry (one per app)."""
 
     def __init__(self, pool: WorkerPool, admission: Admission, budget: RetryBudget,
-                 keys: ExactKeys | None = None) -> None:
+                 keys: ExactKeys | None = None, foreign: ForeignLoad | None = None,
+                 policy: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
-        reg.register(PoolCollector(pool, admission, budget))
+        reg.register(PoolCollector(pool, admission, budget, foreign, policy))
         if keys is not None:
             reg.register(TokenMemoCollector(keys))
         self.requests = Counter("kvserve:gateway_requests", "Requests routed, by worker and "

@@ -17,6 +17,7 @@ import re
 import time
 from collections.abc import Callable
 
+from kvserve.gateway.foreign_load import ForeignLoad
 from kvserve.gateway.periodic import Periodic
 from kvserve.gateway.upstream_http import UpstreamClient, UpstreamError
 from kvserve.gateway.worker_pool import WorkerPool, WorkerState
@@ -130,12 +131,19 @@ class Scraper(Periodic):
     seen restarted (`apply_metrics`) is reported to `on_restart(url)`: a routing policy's index
     of what it cached is stale from then on. A worker's KV capacity in tokens, when first seen
     and whenever it changes, goes to `on_capacity(url, tokens)`: how much a policy's index of it
-    may hold. `on_scraped()` runs after each round (the fleet's capacity may have changed)."""
+    may hold. `on_scraped()` runs after each round (the fleet's capacity may have changed).
+    Each scrape's requests that this gateway did not send go to `foreign` (`foreign_load.py`);
+    when its verdict changes, to `on_shared(shared)`."""
 
     def __init__(self, pool: WorkerPool, client: UpstreamClient, interval_s: float = 1.0,
                  on_restart: Callable[[str], None] | None = None,
                  on_capacity: Callable[[str, int], None] | None = None,
-                 on_scraped: Callable[[], None] | None = None):
+                 on_scraped: Callable[[], None] | None = None,
+                 foreign: ForeignLoad | None = None,
+                 on_shared: Callable[[bool], None] | None = None):
+        self.foreign = foreign if foreign is not None else ForeignLoad()
+        self.on_shared = on_shared
+        self._abandoned: dict[str, int] = {}  # worker -> its abandoned count, last scrape
         self.pool = pool
         self.client = client
         self.interval_s = interval_s
@@ -144,7 +152,10 @@ class Scraper(Periodic):
         self.on_scraped = on_scraped
 
     async def scrape_once(self) -> None:
+        shared = self.foreign.shared
         await asyncio.gather(*(self._scrape(w) for w in self.pool.workers.values()))
+        if self.foreign.shared != shared and self.on_shared is not None:
+            self.on_shared(self.foreign.shared)
         if self.on_scraped is not None:
             self.on_scraped()
 
@@ -159,6 +170,8 @@ class Scraper(Periodic):
                                     None if ok else f"/health answered {status}")
             if not ok:
                 return
+            own, dispatched, abandoned = (worker.in_flight, worker.dispatched,
+                                          self._abandoned.get(worker.url, 0))
             status, body = await _get(self.client, f"{worker.url}/metrics")
         except TimeoutError:
             self.pool.record_health(worker.url, False, now,
@@ -172,6 +185,13 @@ class Scraper(Periodic):
         capacity = worker.kv_capacity_tokens
         restarted = apply_metrics(worker, body.decode("utf-8", "replace"))
         worker.last_scrape = now
+        # The gateway's own there: those open when the scrape went out, those sent while it
+        # was out, and those it abandoned since the last scrape (the worker may not have
+        # noticed the disconnect yet).
+        self._abandoned[worker.url] = worker.abandoned
+        worker.foreign = self.foreign.record(
+            now, worker.num_running + worker.num_waiting,
+            own + worker.dispatched - dispatched + worker.abandoned - abandoned)
         if restarted and self.on_restart is not None:
             self.on_restart(worker.url)
         if (worker.kv_capacity_tokens != capacity and worker.kv_capacity_tokens > 0

@@ -20,6 +20,9 @@ class WorkerState:
     role: str = "both"  # "prefill" / "decode" in disaggregated mode
     healthy: bool = True
     in_flight: int = 0
+    dispatched: int = 0  # requests ever sent to it, counted as sent (in_flight's increments)
+    abandoned: int = 0  # requests closed before their answer ended (client gone, deadline)
+    foreign: int = 0  # requests it reported that this gateway did not send, last scrape
     prefill_backlog_tokens: int = 0  # see WorkerView; kept by forward.Forwarder
     num_running: int = 0
     num_waiting: int = 0

@@ -1,6 +1,6 @@
 """Checks on one gateway from two snapshots (and, for thrashing, what its workers show): worker
-health, saturation (429s, queue, retry storms) and tenant prefixes scattered across workers.
-Pure, like the worker checks."""
+health, saturation (429s, queue, retry storms), tenant prefixes scattered across workers, and a
+per-replica index on workers other routers share. Pure, like the worker checks."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from kvserve.ops.scrape import Observation
 from kvserve.ops.worker_checks import delta
 
 CACHE_OBLIVIOUS = frozenset({"round_robin", "least_load"})  # policies that ignore prefixes
+OWN_TRAFFIC_INDEX = frozenset({"cache_aware"})  # learns placements from its own routing only
 FLEET_THRASH_HIT_RATE = 0.3
 MIN_REQUESTS = 20  # below this, a gateway's hit rate says nothing
 SPREAD_SHARE = 0.1  # a worker serving >= this share of a tenant's prompt tokens counts
@@ -62,7 +63,31 @@ def check_gateway(obs: Observation, workers: list[Observation]) -> list[Finding]
     if snap.error is not None or obs.first.error is not None:
         return [Finding(obs.url, Problem.DOWN, Severity.CRITICAL, "cannot read the target",
                         (str(snap.error or obs.first.error),))]
-    return (_check_health(obs) + _check_saturation(obs) + _check_thrashing(obs, workers))
+    return (_check_health(obs) + _check_saturation(obs) + _check_thrashing(obs, workers)
+            + _check_shared_workers(obs))
+
+
+def _check_shared_workers(obs: Observation) -> list[Finding]:
+    """A policy with a per-replica index on workers that serve other routers' requests too
+    (the gateway's /workers says so: `shared_workers`)."""
+    info = obs.second.workers or {}
+    shared = info.get("shared_workers") or {}
+    policy = _policy(obs)
+    if not shared.get("detected") or policy not in OWN_TRAFFIC_INDEX:
+        return []
+    foreign = [f"{w['url']}: {w['foreign_requests']}" for w in info.get("workers", [])
+               if w.get("foreign_requests")]
+    evidence = [f"{shared.get('foreign_share', 0.0):.0%} of the requests the workers reported "
+                "over the last minute were not sent by this gateway"]
+    if foreign:
+        evidence.append("requests from elsewhere at the last scrape: " + ", ".join(foreign))
+    evidence += [f"{policy} learns where prefixes are cached from this gateway's own traffic, "
+                 "so replicas place a tenant on different workers and the hit rate falls",
+                 "fix: run every replica with --policy precise (kvserve workers) or "
+                 "--policy prefix_hash; send clients that bypass the gateway through it"]
+    return [Finding(obs.url, Problem.MISCONFIGURATION, Severity.WARNING,
+                    f"{policy} routes on workers that other routers also use",
+                    tuple(evidence))]
 
 
 def _check_health(obs: Observation) -> list[Finding]:

@@ -13,6 +13,7 @@ from kvserve.gateway.policies.base import (
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
+    SharesWorkers,
     WorkerView,
     healthy_workers,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "RouteDecision",
     "RouteRequest",
     "RoutingPolicy",
+    "SharesWorkers",
     "SplitDecision",
     "WorkerView",
     "healthy_workers",

@@ -147,6 +147,17 @@ class CapacityAware(Protocol):
         ...
 
 
+@runtime_checkable
+class SharesWorkers(Protocol):
+    """A policy that routes differently when its workers also serve requests it did not route
+    (other gateway replicas, clients connecting directly). The gateway calls it when its
+    verdict changes (`kvserve.gateway.foreign_load`)."""
+
+    def set_shared_workers(self, shared: bool) -> None:
+        """Whether the workers are shared with other routers now."""
+        ...
+
+
 def healthy_workers(workers: Iterable[WorkerView]) -> list[WorkerView]:
     """The healthy workers sorted by id, so a decision never depends on the order a caller lists
     the fleet in; raises NoHealthyWorker when there are none."""

@@ -13,6 +13,7 @@ from kvserve.gateway.policies.base import (
     healthy_workers,
 )
 from kvserve.gateway.policies.block_index import BlockIndex
+from kvserve.gateway.policies.prefix_hash import PrefixHashPolicy
 from kvserve.gateway.policies.rendezvous import DEFAULT_PREFIX_BLOCKS, rendezvous_key
 from kvserve.gateway.policies.scoring import (
     DEFAULT_BACKLOG_WEIGHT,
@@ -32,6 +33,14 @@ of three."""
 
 MAX_HOMES = 65_536
 """Prefix keys whose last worker is remembered (32-byte keys: about 6 MiB)."""
+
+COLD_PLACEMENTS = ("auto", "footprint", "rendezvous")
+"""Where `cache_aware` sends a prefix its index has on no worker: `footprint`, the emptiest index
+(load weighed in); `rendezvous`, `prefix_hash`'s choice (the first worker in the prefix's
+rendezvous order under the load bound, passing over one whose index is full while another has
+room), which every gateway replica makes alike; `auto`,
+`rendezvous` while the gateway sees requests it did not send on its workers
+(`set_shared_workers`: other replicas, or clients connecting directly), else `footprint`."""
 
 DEFAULT_MAX_BLOCKS_PER_WORKER = 65_536
 """About 4M tokens of character blocks per worker, ~2 MiB of hashes: a cap on memory. The index
@@ -62,7 +71,14 @@ class CacheAwarePolicy:
         backlog_weight: float = DEFAULT_BACKLOG_WEIGHT,
         use_worker_capacity: bool = True,
         home_weight: float = DEFAULT_HOME_WEIGHT,
+        cold_placement: str = "auto",
     ) -> None:
+        if cold_placement not in COLD_PLACEMENTS:
+            raise ValueError(f"cold_placement must be one of {', '.join(COLD_PLACEMENTS)}, "
+                             f"got {cold_placement!r}")
+        self.cold_placement = cold_placement
+        self._shared_workers = False
+        self._rendezvous = PrefixHashPolicy(prefix_blocks=prefix_blocks)
         check_weights(block_credit, load_weight, footprint_weight, backlog_weight)
         if not 0.0 <= home_weight < float("inf"):
             raise ValueError(f"home_weight must be >= 0 and finite, got {home_weight}")
@@ -97,7 +113,42 @@ class CacheAwarePolicy:
             backlog_weight=self.backlog_weight,
             home_of=self._homes.get,
             home_weight=self.home_weight,
+            place_cold=self._place_by_rendezvous if self.places_cold_by_rendezvous else None,
         )
+
+    def _place_by_rendezvous(self, request: RouteRequest,
+                             workers: Sequence[WorkerView]) -> RouteDecision:
+        """`prefix_hash`'s choice, passing over a worker whose index is full (it would evict
+        another prefix for this one) while another has room: few tenants hash unevenly."""
+        decision = self._rendezvous.route(request, workers)
+        needed = len(request.prefix_hashes)
+        with_room = [w for w in decision.ranked if self.index_size(w) + needed
+                     <= self._capacity_blocks(w, request.block_tokens)]
+        if not with_room or with_room[0] == decision.worker_id:
+            return decision
+        chosen = with_room[0]
+        return RouteDecision(chosen, decision.branch,
+                             (chosen, *(w for w in decision.ranked if w != chosen)))
+
+    @property
+    def places_cold_by_rendezvous(self) -> bool:
+        """Whether a prefix no index holds goes where `prefix_hash` would put it (see
+        COLD_PLACEMENTS)."""
+        return self.cold_placement == "rendezvous" or (self.cold_placement == "auto"
+                                                       and self._shared_workers)
+
+    def set_shared_workers(self, shared: bool) -> None:
+        """Whether the workers serve requests this policy's gateway did not send (another
+        gateway replica, or clients connecting directly): its index then sees only its own share
+        of their traffic, and with `cold_placement="auto"` a new prefix goes where every replica
+        would send it (rendezvous order) rather than to the index it believes emptiest. On
+        turning shared in `auto`, the index is forgotten: the placements it learned alone are
+        not the other replicas', and each prefix is placed again where they all place it
+        (one cold prefill per prefix that moves)."""
+        if shared and not self._shared_workers and self.cold_placement == "auto":
+            self._indexes.clear()
+            self._homes.clear()
+        self._shared_workers = shared
 
     def observe(self, request: RouteRequest, worker_id: str) -> None:
         """The worker will cache the request's prefix: insert (or refresh) its blocks, in an

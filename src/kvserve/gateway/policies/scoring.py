@@ -86,6 +86,7 @@ def score_route(
     backlog_weight: float = 0.0,
     home_of: Callable[[bytes], str | None] | None = None,
     home_weight: float = 0.0,
+    place_cold: Callable[[RouteRequest, Sequence[WorkerView]], RouteDecision] | None = None,
 ) -> RouteDecision:
     """Rank healthy workers by score (ties in the prefix's rendezvous order, so a prefix nobody
     caches lands where `prefix_hash` would put it) and choose the best. Branch: `hit_branch`
@@ -93,12 +94,17 @@ def score_route(
     LEAST_LOAD when none holds any. `num_matched(worker_id)` and `footprint(worker_id)` (blocks
     the policy believes the worker caches) must not change any index. `home_of(key)`: the
     worker the prefix's key (its rendezvous key) was last sent to, if the policy remembers;
-    when nobody holds any of the prefix, that worker gets `home_weight` (in requests of load)."""
+    when nobody holds any of the prefix, that worker gets `home_weight` (in requests of load).
+    `place_cold`: when given, it chooses for a prefix nobody holds (branch LEAST_LOAD, no
+    predicted hit) instead of the footprint and load terms."""
     # Invariant: the choice maximises the one continuous score; no branch is a separate rule.
     key = rendezvous_key(request.tenant, request.prefix_hashes, prefix_blocks)
     order = rendezvous_order(key, healthy)
     matched = {w.worker_id: num_matched(w.worker_id) for w in order}
     best = max(matched.values())
+    if best == 0 and place_cold is not None:
+        cold = place_cold(request, order)
+        return RouteDecision(cold.worker_id, Branch.LEAST_LOAD, cold.ranked, 0)
     sizes = {w.worker_id: footprint(w.worker_id) if footprint and best == 0 else 0
              for w in order}
     fullest = max(sizes.values(), default=0) or 1

@@ -1,0 +1,82 @@
+"""Seeing other routers on the workers: the foreign count is a lower bound that the gateway's own
+traffic never raises, the verdict turns on and off only on evidence, and the scraper feeds it
+from real scrapes (a worker reporting more requests than the gateway sent it)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvserve.gateway.foreign_load import ForeignLoad
+from kvserve.gateway.scraper import Scraper
+from kvserve.gateway.upstream_http import UpstreamClient
+from kvserve.gateway.worker_pool import WorkerPool
+from tests.gateway.loopback import loopback_workers
+
+
+def test_the_gateways_own_requests_are_never_foreign() -> None:
+    load = ForeignLoad(window_s=60.0, min_share=0.2, min_foreign=4)
+    # The worker reports fewer than the gateway has there (in transit, finishing): 0, not < 0.
+    assert load.record(0.0, reported=3, own_at_most=5) == 0
+    assert load.record(1.0, reported=5, own_at_most=5) == 0
+    for t in range(2, 100):
+        load.record(float(t), reported=4, own_at_most=4)
+    assert load.share == 0.0 and not load.shared
+
+
+def test_two_replicas_are_seen_and_forgotten_on_evidence() -> None:
+    load = ForeignLoad(window_s=10.0, min_share=0.2, min_foreign=4)
+    # Another replica's two requests alongside this gateway's two: half the load is foreign.
+    assert load.record(0.0, reported=4, own_at_most=2) == 2
+    assert not load.shared  # 2 foreign requests: not yet evidence
+    load.record(1.0, reported=4, own_at_most=2)
+    assert load.shared and load.share == pytest.approx(0.5)
+    for t in range(2, 30):  # an idle fleet changes nothing
+        load.record(float(t), reported=0, own_at_most=0)
+    assert load.shared
+    load.record(30.0, reported=2, own_at_most=2)  # alone again; the old samples are gone
+    assert load.share == 0.0 and load.shared  # 2 requests seen: not yet evidence
+    load.record(31.0, reported=2, own_at_most=2)
+    assert not load.shared
+
+
+def test_a_trickle_of_foreign_requests_is_not_a_replica() -> None:
+    load = ForeignLoad(window_s=60.0, min_share=0.2, min_foreign=4)
+    for t in range(60):  # a health prober's request now and then, on a busy worker
+        load.record(float(t), reported=10 + (t % 10 == 0), own_at_most=10)
+    assert load.share < 0.02 and not load.shared
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="min_share"):
+        ForeignLoad(min_share=0.0)
+    with pytest.raises(ValueError, match="window_s"):
+        ForeignLoad(window_s=0.0)
+
+
+def test_the_scraper_sees_requests_the_gateway_did_not_send() -> None:
+    asyncio.run(_scrape_shared_workers())
+
+
+async def _scrape_shared_workers() -> None:
+    running: dict[str, int] = {}
+
+    def answer(url: str, path: str) -> tuple[int, str]:
+        if path == "/health":
+            return 200, "ok"
+        return 200, (f"vllm:num_requests_running {running[url]}\n"
+                     "vllm:num_requests_waiting 1\n")
+
+    verdicts: list[bool] = []
+    client = UpstreamClient()
+    async with loopback_workers(2, answer) as (a, b):
+        pool = WorkerPool([a, b])
+        pool.get(a).in_flight = 3  # this gateway's own: 3 on a, none on b
+        running.update({a: 2, b: 3})  # a: 2 + 1 waiting, all ours; b: 4, none ours
+        foreign = ForeignLoad(min_foreign=4)
+        scraper = Scraper(pool, client, foreign=foreign, on_shared=verdicts.append)
+        await scraper.scrape_once()
+        assert (pool.get(a).foreign, pool.get(b).foreign) == (0, 4)
+        assert verdicts == [True] and foreign.share == pytest.approx(4 / 7)
+        await client.aclose()
