@@ -26,7 +26,7 @@ def busy(backlog: dict[str, int]) -> list[WorkerView]:
 
 
 def test_a_new_prefix_avoids_a_worker_busy_with_a_cold_prefill() -> None:
-    policy = CacheAwarePolicy(backlog_weight=0.5)  # footprint weight 16 (the default)
+    policy = CacheAwarePolicy(backlog_weight=0.5, cold_placement="footprint")  # weight 16
     for tenant in range(4):  # "a" holds four tenants' prefixes, "b" none: "b" is the emptier
         policy.observe(request(PROMPT, f"old-{tenant}"), "a")
     new = request(PROMPT, "new-tenant")
@@ -35,7 +35,7 @@ def test_a_new_prefix_avoids_a_worker_busy_with_a_cold_prefill() -> None:
     decision = policy.route(new, busy({"a": 0, "b": 80}))  # 0.5 * 40 > 16
     assert (decision.worker_id, decision.branch) == ("a", Branch.LEAST_LOAD)
     # Without the term, the request count alone cannot see the backlog.
-    blind = CacheAwarePolicy(backlog_weight=0.0)
+    blind = CacheAwarePolicy(backlog_weight=0.0, cold_placement="footprint")
     for tenant in range(4):
         blind.observe(request(PROMPT, f"old-{tenant}"), "a")
     assert blind.route(new, busy({"a": 0, "b": 10_000})).worker_id == "b"

@@ -153,7 +153,8 @@ def _full_pair(policy: CacheAwarePolicy) -> list[RouteRequest]:
 
 
 def test_with_every_cache_full_a_forgotten_tenant_goes_back_to_its_last_worker() -> None:
-    homing, plain = CacheAwarePolicy(home_weight=4.0), CacheAwarePolicy()
+    homing = CacheAwarePolicy(home_weight=4.0, cold_placement="footprint")
+    plain = CacheAwarePolicy(cold_placement="footprint")
     forgotten = _full_pair(homing)[0]  # last sent to a
     _full_pair(plain)
     busy_home = views({"a": 2, "b": 0})  # a is two requests busier
@@ -172,6 +173,8 @@ def test_the_capacity_and_the_home_are_options() -> None:
     assert policy.index_size("a") == BLOCKS_PER_TENANT  # not capped at two blocks
     with pytest.raises(ValueError, match="home_weight must be >= 0"):
         CacheAwarePolicy(home_weight=-1.0)
+    with pytest.raises(ValueError, match="add cold_placement=footprint"):
+        CacheAwarePolicy(home_weight=4.0)  # rendezvous placement has no home to weigh
 
 
 class _Told:

@@ -1,6 +1,6 @@
-"""cache_aware's placement of a prefix its index holds nowhere: by footprint when the gateway is
-alone on its workers; where every replica puts it (rendezvous order) once the workers are
-shared, so replicas with different histories agree; a full index passed over."""
+"""cache_aware's placement of a prefix its index holds nowhere: by default where every replica
+puts it (rendezvous order), so replicas with different histories agree, a full index passed
+over; by footprint on request, which only this gateway knows (not replica-safe)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from kvserve.gateway.policies import (
     Branch,
     CacheAwarePolicy,
     PrefixHashPolicy,
-    SharesWorkers,
     make_policy,
 )
 from tests.gateway.helpers import fleet, random_requests, request, views
@@ -51,29 +50,21 @@ def test_a_full_index_is_passed_over_while_another_has_room() -> None:
     assert policy.route(new, workers).worker_id == first
 
 
-def test_auto_places_by_footprint_until_the_workers_are_shared() -> None:
+def test_the_default_places_a_new_prefix_where_every_replica_does() -> None:
     policy = make_policy("cache_aware")
-    assert isinstance(policy, CacheAwarePolicy) and isinstance(policy, SharesWorkers)
+    assert isinstance(policy, CacheAwarePolicy) and policy.replica_safe
     workers = views(fleet(2))
     tenants = [request(f"tenant {i} prompt " * 4, f"t{i}") for i in range(12)]
-    for req in tenants[:6]:  # alone: each new tenant goes to the emptier index
-        policy.observe(req, policy.route(req, workers).worker_id)
-    assert policy.index_size("w0") > 0 and policy.index_size("w1") > 0
-    assert not policy.places_cold_by_rendezvous
-    policy.set_shared_workers(True)
-    assert policy.places_cold_by_rendezvous
-    # The index learned alone is forgotten: every prefix is placed where all replicas place it.
-    assert policy.index_size("w0") == policy.index_size("w1") == 0
     stateless = PrefixHashPolicy()
-    for req in tenants:
-        assert policy.route(req, workers).worker_id == stateless.route(req, workers).worker_id
-    policy.observe(tenants[0], "w0")
-    policy.set_shared_workers(True)  # no change: the index is kept
-    assert policy.index_size("w0") > 0
-    policy.set_shared_workers(False)
-    assert not policy.places_cold_by_rendezvous
+    for req in tenants:  # by footprint, each would go to the index emptier by then
+        chosen = policy.route(req, workers).worker_id
+        assert chosen == stateless.route(req, workers).worker_id
+        policy.observe(req, chosen)
+    assert not make_policy("cache_aware", cold_placement="footprint").replica_safe
+    assert all(make_policy(name).replica_safe
+               for name in ("round_robin", "least_load", "prefix_hash", "precise"))
 
 
 def test_an_unknown_cold_placement_is_refused() -> None:
-    with pytest.raises(ValueError, match="cold_placement must be one of auto, footprint"):
+    with pytest.raises(ValueError, match="cold_placement must be one of rendezvous, footprint"):
         make_policy("cache_aware", cold_placement="nearest")

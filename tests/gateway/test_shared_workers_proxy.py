@@ -1,6 +1,7 @@
 """Two real gateways in front of the same real workers: the one that routes nothing sees the
 other's requests on the workers and says so (/workers, /metrics, a warning in its log naming the
-fix for its cache_aware policy); the one sending them sees nothing foreign."""
+fix for its replica-unsafe policy, cache_aware placing new prefixes by footprint); the one
+sending them sees nothing foreign."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from tests.gateway.processes import Process, running_gateway, wait_until
 def test_a_gateway_sees_another_routers_requests_on_its_workers(
         fleet: list[Process], gateway: Process, proc_logs: Path, make_client: MakeClient,
         model_name: str) -> None:
-    flags = ["--policy", "cache_aware", "--salt-secret", SALT_SECRET]
+    flags = ["--policy", "cache_aware", "--policy-option", "cold_placement=footprint",
+             "--salt-secret", SALT_SECRET]
     with running_gateway([w.url for w in fleet], proc_logs, flags) as watcher:
         assert watcher.get("/workers").json()["shared_workers"]["detected"] is False
         stop = threading.Event()
@@ -43,10 +45,11 @@ def test_a_gateway_sees_another_routers_requests_on_its_workers(
                 thread.join(30.0)
         seen = watcher.get("/workers").json()
         assert seen["shared_workers"]["foreign_share"] > 0.9  # it sent none of them
-        assert watcher.metrics().value("kvserve:gateway_shared_workers",
-                                       policy="cache_aware") == 1.0
-        assert "cache_aware learns where prefixes are cached" in watcher.log()
-        assert "--policy precise" in watcher.log()
+        assert seen["shared_workers"]["replica_safe"] is False
+        assert watcher.metrics().value("kvserve:gateway_shared_workers", policy="cache_aware",
+                                       replica_safe="false") == 1.0
+        assert "places a new prefix by what this gateway alone has routed" in watcher.log()
+        assert "--policy cache_aware" in watcher.log()
     sender = gateway.get("/workers").json()
     assert sender["shared_workers"]["detected"] is False
     assert gateway.metrics().value("kvserve:gateway_foreign_load_share",

@@ -35,12 +35,14 @@ def test_stopping_up_stops_its_workers(tmp_path: Path, sig: signal.Signals) -> N
         up.kill()
 
 
-def test_up_routes_cache_aware_and_a_gateway_prefix_hash_unless_told() -> None:
-    """`kvserve up` runs one gateway, which has no replicas to agree with; `kvserve gateway`
-    may be one of several, so it keeps the stateless policy."""
+def test_up_and_a_gateway_route_cache_aware_unless_told() -> None:
+    """cache_aware by default, alone or one of several replicas (a new prefix goes where every
+    replica puts it)."""
     from kvserve.cli import build_parser
 
     parser = build_parser()
     assert parser.parse_args(["up"]).policy == "cache_aware"
     assert parser.parse_args(["up", "--policy", "precise"]).policy == "precise"
-    assert parser.parse_args(["gateway", "--worker", "http://w"]).policy == "prefix_hash"
+    assert parser.parse_args(["gateway", "--worker", "http://w"]).policy == "cache_aware"
+    assert parser.parse_args(["gateway", "--worker", "http://w", "--policy",
+                              "prefix_hash"]).policy == "prefix_hash"

@@ -155,23 +155,24 @@ def test_gateway_saturation_unhealthy_worker_and_round_robin_thrashing() -> None
     assert thrash and "4 of 4 tenants" in " ".join(thrash[0].evidence)
 
 
-def test_cache_aware_on_workers_other_routers_use_is_a_misconfiguration() -> None:
-    def report(policy: str, detected: bool) -> Report:
+def test_a_replica_unsafe_policy_on_workers_other_routers_use_is_a_misconfiguration() -> None:
+    def report(detected: bool, replica_safe: bool) -> Report:
         metrics = gateway_metrics(healthy={W0: 1, W1: 1}, routed={W0: 50, W1: 50},
-                                  policy=policy)
-        workers = {"policy": policy, "shared_workers": {"detected": detected,
-                                                        "foreign_share": 0.48},
+                                  policy="cache_aware")
+        workers = {"policy": "cache_aware",
+                   "shared_workers": {"detected": detected, "foreign_share": 0.48,
+                                      "replica_safe": replica_safe},
                    "workers": [{"url": W0, "foreign_requests": 3},
                                {"url": W1, "foreign_requests": 0}]}
         return diagnose([observation(GW, metrics, metrics, workers=workers)])
 
-    (finding,) = problems(report("cache_aware", True), Problem.MISCONFIGURATION)
+    (finding,) = problems(report(True, False), Problem.MISCONFIGURATION)
     assert finding.severity is Severity.WARNING and finding.target == GW
     assert "48% of the requests" in finding.evidence[0]
     assert f"{W0}: 3" in finding.evidence[1] and W1 not in finding.evidence[1]
-    assert "--policy precise" in finding.evidence[-1]
-    assert not problems(report("cache_aware", False), Problem.MISCONFIGURATION)
-    assert not problems(report("prefix_hash", True), Problem.MISCONFIGURATION)
+    assert "cold_placement (rendezvous)" in finding.evidence[-1]
+    assert not problems(report(False, False), Problem.MISCONFIGURATION)
+    assert not problems(report(True, True), Problem.MISCONFIGURATION)  # default cache_aware
 
 
 def test_answers_later_than_clients_wait_are_saturation_with_the_latency_limit() -> None:

@@ -27,7 +27,7 @@ from kvserve.gateway.policies import (
     CapacityAware,
     DisaggregatedRouter,
     PrecisePolicy,
-    SharesWorkers,
+    RoutingPolicy,
     make_policy,
 )
 from kvserve.gateway.proxy_endpoint import (
@@ -49,12 +49,6 @@ from kvserve.gateway.upstream_http import UpstreamClient
 from kvserve.gateway.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
-
-REPLICA_SAFE_POLICIES = ("prefix_hash", "precise", "round_robin", "least_load")
-"""Policies whose choices do not depend on what this gateway alone has routed: replicas of the
-gateway choose alike (prefix_hash: rendezvous hashing; precise: the workers' own KV events) or
-keep no affinity to lose."""
-
 
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
@@ -113,11 +107,9 @@ def _error(status: int, message: str, err_type: str = "invalid_request_error") -
     return Response(error_body(status, message, err_type), status, media_type="application/json")
 
 
-def _on_shared(shared: bool, policy: object, name: str, foreign: ForeignLoad) -> None:
-    """The gateway's verdict on whether its workers serve other routers' requests changed:
-    tell the policy, and say what it means for this policy."""
-    if isinstance(policy, SharesWorkers):
-        policy.set_shared_workers(shared)
+def _on_shared(shared: bool, policy: RoutingPolicy, foreign: ForeignLoad) -> None:
+    """The gateway's verdict on whether its workers serve other routers' requests changed: say
+    what it means for this policy."""
     if not shared:
         log.info("kvserve gateway: the workers no longer serve requests this gateway did not "
                  "send")
@@ -125,14 +117,14 @@ def _on_shared(shared: bool, policy: object, name: str, foreign: ForeignLoad) ->
     seen = (f"the workers serve requests this gateway did not send ({foreign.share:.0%} of "
             f"the requests they reported over the last minute): other gateway replicas, or "
             f"clients that bypass the gateway")
-    if name in REPLICA_SAFE_POLICIES:
-        log.info("kvserve gateway: %s; %s routes alike on every replica", seen, name)
+    if policy.replica_safe:
+        log.info("kvserve gateway: %s; %s routes alike on every replica", seen, policy.name)
     else:
-        log.warning("kvserve gateway: %s. %s learns where prefixes are cached from this "
-                    "gateway's own traffic only, so replicas place tenants apart and the "
-                    "fleet's prefix hit rate falls (docs/operations.md, 'Replicas'): run every "
-                    "replica with --policy precise (kvserve workers) or --policy prefix_hash",
-                    seen, name)
+        log.warning("kvserve gateway: %s. This %s places a new prefix by what this gateway "
+                    "alone has routed, so replicas place tenants apart and the fleet's prefix "
+                    "hit rate falls (docs/operations.md, 'Scaling the gateway horizontally'): "
+                    "run every replica with the policy's defaults (--policy cache_aware), or "
+                    "--policy precise or prefix_hash", seen, policy.name)
 
 
 def create_gateway(settings: GatewaySettings) -> GatewayApp:
@@ -160,7 +152,8 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
     budget = RetryBudget(ratio=settings.retry_ratio)
     keys = ExactKeys(settings.tokenizer, settings.block_size, settings.policy == "precise")
     foreign = ForeignLoad()
-    metrics = GatewayMetrics(pool, admission, budget, keys, foreign, settings.policy)
+    metrics = GatewayMetrics(pool, admission, budget, keys, foreign, settings.policy,
+                             policy.replica_safe)
     client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
                                                    max_keepalive_connections=256))
     upstream_client = UpstreamClient()
@@ -173,8 +166,7 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                       on_restart=policy.remove_worker,
                       on_capacity=capacity.worker_capacity if capacity is not None else None,
                       on_scraped=admission.refresh, foreign=foreign,
-                      on_shared=lambda shared: _on_shared(shared, policy, settings.policy,
-                                                          foreign))
+                      on_shared=lambda shared: _on_shared(shared, policy, foreign))
     follower = (EventFollower(pool, policy, upstream_client, settings.events_interval_s,
                               settings.admin_key,
                               min_interval_s=settings.events_min_interval_s)
@@ -235,7 +227,8 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                          "tokenizer": capacity.tokenizer is not None}
         return {"policy": settings.policy,
                 "mode": "disaggregated" if disagg is not None else "unified",
-                "shared_workers": {"detected": foreign.shared, "foreign_share": foreign.share},
+                "shared_workers": {"detected": foreign.shared, "foreign_share": foreign.share,
+                                   "replica_safe": policy.replica_safe},
                 "text_keys": text_keys, "workers": [
             {"url": w.url, "role": w.role, "healthy": w.view(now).healthy,
              "in_flight": w.in_flight, "prefill_backlog_tokens": w.prefill_backlog_tokens,

@@ -26,7 +26,10 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     """The routing and admission flags `kvserve gateway` and `kvserve up` share."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--policy", choices=POLICY_NAMES, default="prefix_hash")
+    # cache_aware kept the ideal split's hit rate with one gateway and behind 2 and 4 replicas
+    # (docs/benchmarks.md, twelfth session), where prefix_hash's rendezvous split of a few
+    # tenants can be uneven and precise costs more of the gateway's CPU.
+    p.add_argument("--policy", choices=POLICY_NAMES, default="cache_aware")
     p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a keyword option of the policy (repeatable), e.g. backlog_weight=0.5 "
                         "for cache_aware/precise; an unknown key names the valid ones")
@@ -135,10 +138,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     u.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for each `kvserve serve` (repeatable)")
     add_gateway_arguments(u)
-    # One gateway by construction, so no replicas to agree with: `cache_aware` kept the ideal
-    # split's hit rate in every one-gateway case measured (docs/benchmarks.md, eleventh
-    # session), where `prefix_hash`'s rendezvous split of a few tenants can be uneven.
-    u.set_defaults(func=run_up, policy="cache_aware")
+    u.set_defaults(func=run_up)
 
 
 def run_gateway(args: argparse.Namespace) -> int:

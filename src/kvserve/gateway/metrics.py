@@ -24,12 +24,14 @@ class PoolCollector(Collector):
     """Per-worker state and the fleet's achieved prefix hit rate, read at scrape time."""
 
     def __init__(self, pool: WorkerPool, admission: Admission, budget: RetryBudget,
-                 foreign: ForeignLoad | None = None, policy: str = "") -> None:
+                 foreign: ForeignLoad | None = None, policy: str = "",
+                 replica_safe: bool = True) -> None:
         self.pool = pool
         self.admission = admission
         self.budget = budget
         self.foreign = foreign
         self.policy = policy
+        self.replica_safe = replica_safe
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         healthy = GaugeMetricFamily("kvserve:gateway_worker_healthy", "1 if the worker takes "
@@ -72,8 +74,11 @@ class PoolCollector(Collector):
             yield share
             shared = GaugeMetricFamily("kvserve:gateway_shared_workers", "1 once the gateway "
                                        "sees other routers' requests on its workers (see "
-                                       "kvserve:gateway_foreign_load_share).", labels=["policy"])
-            shared.add_metric([self.policy], 1.0 if self.foreign.shared else 0.0)
+                                       "kvserve:gateway_foreign_load_share); replica_safe: "
+                                       "whether its policy routes alike on every replica.",
+                                       labels=["policy", "replica_safe"])
+            shared.add_metric([self.policy, "true" if self.replica_safe else "false"],
+                              1.0 if self.foreign.shared else 0.0)
             yield shared
         fleet = GaugeMetricFamily("kvserve:gateway_fleet_prefix_hit_rate", "Prefix-cache hit "
                                   "rate over all workers (achieved).")
@@ -137,10 +142,10 @@ class GatewayMetrics:
 
     def __init__(self, pool: WorkerPool, admission: Admission, budget: RetryBudget,
                  keys: ExactKeys | None = None, foreign: ForeignLoad | None = None,
-                 policy: str = "") -> None:
+                 policy: str = "", replica_safe: bool = True) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
-        reg.register(PoolCollector(pool, admission, budget, foreign, policy))
+        reg.register(PoolCollector(pool, admission, budget, foreign, policy, replica_safe))
         if keys is not None:
             reg.register(TokenMemoCollector(keys))
         self.requests = Counter("kvserve:gateway_requests", "Requests routed, by worker and "

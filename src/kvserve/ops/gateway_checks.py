@@ -1,6 +1,6 @@
 """Checks on one gateway from two snapshots (and, for thrashing, what its workers show): worker
 health, saturation (429s, queue, retry storms), tenant prefixes scattered across workers, and a
-per-replica index on workers other routers share. Pure, like the worker checks."""
+policy that is not replica-safe on workers other routers share. Pure, like the worker checks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from kvserve.ops.scrape import Observation
 from kvserve.ops.worker_checks import delta
 
 CACHE_OBLIVIOUS = frozenset({"round_robin", "least_load"})  # policies that ignore prefixes
-OWN_TRAFFIC_INDEX = frozenset({"cache_aware"})  # learns placements from its own routing only
 FLEET_THRASH_HIT_RATE = 0.3
 MIN_REQUESTS = 20  # below this, a gateway's hit rate says nothing
 SPREAD_SHARE = 0.1  # a worker serving >= this share of a tenant's prompt tokens counts
@@ -68,23 +67,24 @@ def check_gateway(obs: Observation, workers: list[Observation]) -> list[Finding]
 
 
 def _check_shared_workers(obs: Observation) -> list[Finding]:
-    """A policy with a per-replica index on workers that serve other routers' requests too
-    (the gateway's /workers says so: `shared_workers`)."""
+    """A policy whose choices rest on what this gateway alone routed (`replica_safe` false in
+    the gateway's /workers) on workers that serve other routers' requests too."""
     info = obs.second.workers or {}
     shared = info.get("shared_workers") or {}
-    policy = _policy(obs)
-    if not shared.get("detected") or policy not in OWN_TRAFFIC_INDEX:
+    if not shared.get("detected") or shared.get("replica_safe", True):
         return []
+    policy = _policy(obs) or "the policy"
     foreign = [f"{w['url']}: {w['foreign_requests']}" for w in info.get("workers", [])
                if w.get("foreign_requests")]
     evidence = [f"{shared.get('foreign_share', 0.0):.0%} of the requests the workers reported "
                 "over the last minute were not sent by this gateway"]
     if foreign:
         evidence.append("requests from elsewhere at the last scrape: " + ", ".join(foreign))
-    evidence += [f"{policy} learns where prefixes are cached from this gateway's own traffic, "
-                 "so replicas place a tenant on different workers and the hit rate falls",
-                 "fix: run every replica with --policy precise (kvserve workers) or "
-                 "--policy prefix_hash; send clients that bypass the gateway through it"]
+    evidence += [f"{policy} places a new prefix by what this gateway alone has routed, so "
+                 "replicas place a tenant on different workers and the hit rate falls",
+                 "fix: run every replica with --policy cache_aware and its default "
+                 "cold_placement (rendezvous), or --policy precise (kvserve workers) or "
+                 "prefix_hash; send clients that bypass the gateway through it"]
     return [Finding(obs.url, Problem.MISCONFIGURATION, Severity.WARNING,
                     f"{policy} routes on workers that other routers also use",
                     tuple(evidence))]

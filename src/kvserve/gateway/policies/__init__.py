@@ -13,7 +13,6 @@ from kvserve.gateway.policies.base import (
     RouteDecision,
     RouteRequest,
     RoutingPolicy,
-    SharesWorkers,
     WorkerView,
     healthy_workers,
 )
@@ -53,7 +52,6 @@ __all__ = [
     "RouteDecision",
     "RouteRequest",
     "RoutingPolicy",
-    "SharesWorkers",
     "SplitDecision",
     "WorkerView",
     "healthy_workers",

@@ -121,6 +121,13 @@ class RoutingPolicy(Protocol):
         """The policy's name in `make_policy` and in metrics."""
         ...
 
+    @property
+    def replica_safe(self) -> bool:
+        """Whether gateway replicas that each see only part of the traffic still send one
+        prefix to one worker (no choice rests on what only this replica learned). The gateway
+        warns when a policy that is not runs on workers other routers also use."""
+        ...
+
     def route(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RouteDecision:
         """Choose a healthy worker; raises NoHealthyWorker when none is healthy. Does not assume
         the request is sent: call `observe` when it is."""
@@ -144,17 +151,6 @@ class CapacityAware(Protocol):
 
     def set_worker_capacity(self, worker_id: str, kv_tokens: int) -> None:
         """The worker's KV cache holds `kv_tokens` tokens."""
-        ...
-
-
-@runtime_checkable
-class SharesWorkers(Protocol):
-    """A policy that routes differently when its workers also serve requests it did not route
-    (other gateway replicas, clients connecting directly). The gateway calls it when its
-    verdict changes (`kvserve.gateway.foreign_load`)."""
-
-    def set_shared_workers(self, shared: bool) -> None:
-        """Whether the workers are shared with other routers now."""
         ...
 
 

@@ -34,13 +34,16 @@ of three."""
 MAX_HOMES = 65_536
 """Prefix keys whose last worker is remembered (32-byte keys: about 6 MiB)."""
 
-COLD_PLACEMENTS = ("auto", "footprint", "rendezvous")
-"""Where `cache_aware` sends a prefix its index has on no worker: `footprint`, the emptiest index
-(load weighed in); `rendezvous`, `prefix_hash`'s choice (the first worker in the prefix's
-rendezvous order under the load bound, passing over one whose index is full while another has
-room), which every gateway replica makes alike; `auto`,
-`rendezvous` while the gateway sees requests it did not send on its workers
-(`set_shared_workers`: other replicas, or clients connecting directly), else `footprint`."""
+COLD_PLACEMENTS = ("rendezvous", "footprint")
+"""Where `cache_aware` sends a prefix its index holds on no worker. `rendezvous` (the default):
+`prefix_hash`'s choice, the first worker in the prefix's rendezvous order under the load bound,
+passing over one whose index is full while another has room; every gateway replica makes it
+alike, so replicas that each learn only their own traffic still place a tenant on one worker.
+`footprint`: the emptiest index, load and prefill backlog weighed in; only this gateway knows
+its index, so replicas place a tenant apart (`kvserve bench gateway`, docs/benchmarks.md,
+twelfth session: behind 2 and 4 replicas 0.822 and 0.723 against rendezvous's 0.909 and 0.912;
+with one gateway the same hit rates, a pooled p99 TTFT 4-6% higher with rendezvous).
+`footprint_weight` and `home_weight` weigh only in `footprint` placement."""
 
 DEFAULT_MAX_BLOCKS_PER_WORKER = 65_536
 """About 4M tokens of character blocks per worker, ~2 MiB of hashes: a cap on memory. The index
@@ -51,12 +54,12 @@ should forget about when the worker does, so a worker whose KV capacity is known
 class CacheAwarePolicy:
     """Remembers, per worker, the prefix blocks of the requests it sent there (a bounded LRU,
     `max_blocks_per_worker`), and routes by `scoring.score_route`: cached-prefix credit against
-    load, continuously, a prefix nobody holds going to the emptiest index (score's footprint
-    term). Approximate: it assumes a worker caches what it was sent until the LRU
-    forgets it, and the LRU holds no more than the worker can (`set_worker_capacity`): a worker
+    load, continuously, a prefix nobody holds going where `cold_placement` says. Approximate:
+    it assumes a worker caches what it was sent until the LRU forgets it, and the LRU holds no more than the worker can (`set_worker_capacity`): a worker
     that took every tenant while another was down kept only the most recent ones, and the rest
     must not stay pinned to it when the other comes back. Two instances fed the same calls
-    agree; replicas each learn their own traffic."""
+    agree; replicas each learn their own traffic, and agree on where a new prefix goes unless
+    `cold_placement="footprint"` (`replica_safe`)."""
 
     name = "cache_aware"
 
@@ -71,17 +74,19 @@ class CacheAwarePolicy:
         backlog_weight: float = DEFAULT_BACKLOG_WEIGHT,
         use_worker_capacity: bool = True,
         home_weight: float = DEFAULT_HOME_WEIGHT,
-        cold_placement: str = "auto",
+        cold_placement: str = "rendezvous",
     ) -> None:
         if cold_placement not in COLD_PLACEMENTS:
             raise ValueError(f"cold_placement must be one of {', '.join(COLD_PLACEMENTS)}, "
                              f"got {cold_placement!r}")
         self.cold_placement = cold_placement
-        self._shared_workers = False
         self._rendezvous = PrefixHashPolicy(prefix_blocks=prefix_blocks)
         check_weights(block_credit, load_weight, footprint_weight, backlog_weight)
         if not 0.0 <= home_weight < float("inf"):
             raise ValueError(f"home_weight must be >= 0 and finite, got {home_weight}")
+        if home_weight and cold_placement != "footprint":
+            raise ValueError("home_weight weighs only where a new prefix goes by footprint: "
+                             "add cold_placement=footprint, or leave home_weight out")
         self.use_worker_capacity = use_worker_capacity
         self.home_weight = home_weight
         self._homes: OrderedDict[bytes, str] = OrderedDict()
@@ -113,7 +118,7 @@ class CacheAwarePolicy:
             backlog_weight=self.backlog_weight,
             home_of=self._homes.get,
             home_weight=self.home_weight,
-            place_cold=self._place_by_rendezvous if self.places_cold_by_rendezvous else None,
+            place_cold=self._place_by_rendezvous if self.replica_safe else None,
         )
 
     def _place_by_rendezvous(self, request: RouteRequest,
@@ -131,24 +136,10 @@ class CacheAwarePolicy:
                              (chosen, *(w for w in decision.ranked if w != chosen)))
 
     @property
-    def places_cold_by_rendezvous(self) -> bool:
-        """Whether a prefix no index holds goes where `prefix_hash` would put it (see
-        COLD_PLACEMENTS)."""
-        return self.cold_placement == "rendezvous" or (self.cold_placement == "auto"
-                                                       and self._shared_workers)
-
-    def set_shared_workers(self, shared: bool) -> None:
-        """Whether the workers serve requests this policy's gateway did not send (another
-        gateway replica, or clients connecting directly): its index then sees only its own share
-        of their traffic, and with `cold_placement="auto"` a new prefix goes where every replica
-        would send it (rendezvous order) rather than to the index it believes emptiest. On
-        turning shared in `auto`, the index is forgotten: the placements it learned alone are
-        not the other replicas', and each prefix is placed again where they all place it
-        (one cold prefill per prefix that moves)."""
-        if shared and not self._shared_workers and self.cold_placement == "auto":
-            self._indexes.clear()
-            self._homes.clear()
-        self._shared_workers = shared
+    def replica_safe(self) -> bool:
+        """Whether replicas, each learning only its own traffic, still send a tenant to one
+        worker: yes when a new prefix goes where every replica puts it (rendezvous)."""
+        return self.cold_placement == "rendezvous"
 
     def observe(self, request: RouteRequest, worker_id: str) -> None:
         """The worker will cache the request's prefix: insert (or refresh) its blocks, in an

@@ -24,6 +24,7 @@ class LeastLoadPolicy:
     `seed`), so a seeded run is reproducible; ties go to the lower load, then the lower id."""
 
     name = "least_load"
+    replica_safe = True  # no index: nothing replicas could learn apart
 
     def __init__(self, *, rng: random.Random | None = None, seed: int = 0) -> None:
         self._rng = rng if rng is not None else random.Random(seed)

@@ -45,6 +45,7 @@ class PrecisePolicy:
     """
 
     name = "precise"
+    replica_safe = True  # every replica follows the same KV events
 
     def __init__(
         self,

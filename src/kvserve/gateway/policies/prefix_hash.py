@@ -38,6 +38,7 @@ class PrefixHashPolicy:
     prefix block goes to the least loaded worker (ties in the tenant's rendezvous order)."""
 
     name = "prefix_hash"
+    replica_safe = True  # a hash of the request and the worker list only
 
     def __init__(
         self,

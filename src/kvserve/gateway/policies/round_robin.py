@@ -18,6 +18,7 @@ class RoundRobinPolicy:
     agree; replicas behind a balancer do not (each keeps its own counter)."""
 
     name = "round_robin"
+    replica_safe = True  # no index: nothing replicas could learn apart
 
     def __init__(self) -> None:
         self._num_routed = 0
