@@ -54,12 +54,13 @@ should forget about when the worker does, so a worker whose KV capacity is known
 class CacheAwarePolicy:
     """Remembers, per worker, the prefix blocks of the requests it sent there (a bounded LRU,
     `max_blocks_per_worker`), and routes by `scoring.score_route`: cached-prefix credit against
-    load, continuously, a prefix nobody holds going where `cold_placement` says. Approximate:
-    it assumes a worker caches what it was sent until the LRU forgets it, and the LRU holds no more than the worker can (`set_worker_capacity`): a worker
-    that took every tenant while another was down kept only the most recent ones, and the rest
-    must not stay pinned to it when the other comes back. Two instances fed the same calls
-    agree; replicas each learn their own traffic, and agree on where a new prefix goes unless
-    `cold_placement="footprint"` (`replica_safe`)."""
+    load, continuously, a prefix nobody holds going where `cold_placement` says. Approximate: it
+    assumes a worker caches what it was sent until the LRU forgets it, and the LRU holds no more
+    than the worker can (`set_worker_capacity`): a worker that took every tenant while another
+    was down kept only the most recent ones, and the rest must not stay pinned to it when the
+    other comes back. Two instances fed the same calls agree; replicas each learn their own
+    traffic, and agree on where a new prefix goes unless `cold_placement="footprint"`
+    (`replica_safe`)."""
 
     name = "cache_aware"
 
