@@ -46,3 +46,15 @@ def test_up_and_a_gateway_route_cache_aware_unless_told() -> None:
     assert parser.parse_args(["gateway", "--worker", "http://w"]).policy == "cache_aware"
     assert parser.parse_args(["gateway", "--worker", "http://w", "--policy",
                               "prefix_hash"]).policy == "prefix_hash"
+
+
+def test_up_places_new_prefixes_by_footprint_unless_told() -> None:
+    """One gateway by construction: cache_aware's new prefixes go to the emptiest index."""
+    from kvserve.gateway.command import one_gateway_policy_options
+
+    assert one_gateway_policy_options("cache_aware", []) == ["cold_placement=footprint"]
+    assert one_gateway_policy_options("cache_aware", ["backlog_weight=0.5"]) == [
+        "backlog_weight=0.5", "cold_placement=footprint"]
+    told = ["cold_placement=rendezvous"]
+    assert one_gateway_policy_options("cache_aware", told) == told
+    assert one_gateway_policy_options("precise", []) == []

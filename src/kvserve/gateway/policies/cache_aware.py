@@ -42,7 +42,9 @@ alike, so replicas that each learn only their own traffic still place a tenant o
 `footprint`: the emptiest index, load and prefill backlog weighed in; only this gateway knows
 its index, so replicas place a tenant apart (`kvserve bench gateway`, docs/benchmarks.md,
 twelfth session: behind 2 and 4 replicas 0.822 and 0.723 against rendezvous's 0.909 and 0.912;
-with one gateway the same hit rates, a pooled p99 TTFT 4-6% higher with rendezvous).
+with one gateway the same hit rates, and rendezvous's p99 TTFT 4-6% higher on 2 workers and
+3-31% in the simulator's 16, where hashing spreads 48 tenants unevenly: `kvserve up`, one
+gateway by construction, places by footprint).
 `footprint_weight` and `home_weight` weigh only in `footprint` placement."""
 
 DEFAULT_MAX_BLOCKS_PER_WORKER = 65_536

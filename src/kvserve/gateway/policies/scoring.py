@@ -13,7 +13,8 @@ One formula for every worker and every load, no threshold: as a worker's load gr
 prefix is outweighed smoothly, at a point that scales with how much of the prompt it holds. The
 footprint (what the policy believes a worker caches, relative to the fullest worker) decides where
 a prefix nobody holds goes: where there is most room, so whole tenants spread by cache footprint,
-not by the load of the moment.
+not by the load of the moment; unless the caller places such a prefix itself (`place_cold`:
+`cache_aware` by default, in rendezvous order, which its replicas share and its index does not).
 
 The continuity is what sgl-router's cache_aware lacks: it flips between "follow the cache" and
 "shortest queue" at a fixed imbalance, which gives both hot spots (below the threshold) and lost
