@@ -27,6 +27,9 @@ def test_stopping_up_stops_its_workers(tmp_path: Path, sig: signal.Signals) -> N
         up.wait_ready(lambda r: r.status_code == 200)
         workers = re.findall(r"serving \S+ at (http://127\.0\.0\.1:\d+)", up.log())
         assert len(workers) == 1 and _serving(workers[0]), up.log()
+        listing = up.get("/workers").json()  # one gateway: new prefixes by footprint
+        assert listing["policy"] == "cache_aware", listing
+        assert listing["policy_options"] == {"cold_placement": "footprint"}, listing
         up.proc.send_signal(sig)
         up.proc.wait(60.0)
         wait_until(lambda: not _serving(workers[0]), 30.0, f"worker {workers[0]} to stop",

@@ -225,7 +225,7 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
             text_keys = {"chars_per_token": capacity.chars_per_token,
                          "tokenized_samples": capacity.samples,
                          "tokenizer": capacity.tokenizer is not None}
-        return {"policy": settings.policy,
+        return {"policy": settings.policy, "policy_options": dict(settings.policy_options),
                 "mode": "disaggregated" if disagg is not None else "unified",
                 "shared_workers": {"detected": foreign.shared, "foreign_share": foreign.share,
                                    "replica_safe": policy.replica_safe},
