@@ -50,6 +50,7 @@ from kvserve.gateway.worker_pool import WorkerPool
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True, slots=True)
 class GatewaySettings:
     """`max_in_flight`: requests open upstream at once (fleet-wide; less once the workers'

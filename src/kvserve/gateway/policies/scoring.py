@@ -98,7 +98,8 @@ def score_route(
     when nobody holds any of the prefix, that worker gets `home_weight` (in requests of load).
     `place_cold`: when given, it chooses for a prefix nobody holds (branch LEAST_LOAD, no
     predicted hit) instead of the footprint and load terms."""
-    # Invariant: the choice maximises the one continuous score; no branch is a separate rule.
+    # Invariant: the choice maximises the one continuous score; no branch is a separate rule
+    # (but for a prefix nobody holds, when the caller places it: `place_cold`).
     key = rendezvous_key(request.tenant, request.prefix_hashes, prefix_blocks)
     order = rendezvous_order(key, healthy)
     matched = {w.worker_id: num_matched(w.worker_id) for w in order}
