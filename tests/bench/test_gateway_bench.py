@@ -176,10 +176,14 @@ def test_a_small_run_measures_every_router_and_survives_a_worker_kill(tmp_path: 
         assert sorted(r[1] for r in run["per_request"]) == pytest.approx(run["ttfts_ms"],
                                                                           abs=0.1)
         assert all(0 <= r[3] <= r[2] for r in run["per_request"])
+        # ... and what its attempts met: 429/503s, client timeouts, other failures.
+        assert sum(r[4] for r in run["per_request"]) == run["rejections"]
+        assert sum(r[5] + r[6] for r in run["per_request"]) == run["retries"]
     ideal = runs[("base", "ideal")]
     assert ideal["hit_rate"] > 0.5  # three tenants, each pinned: most prompt tokens hit
     cached = [r[3] for r in ideal["per_request"]]
     assert cached[0] == 0 and sum(c > 0 for c in cached) >= 12  # the first is cold, most hit
+    assert sum(r[6] for r in runs[("failover", "ideal")]["per_request"]) > 0  # resent
     failover = runs[("failover", "kvserve:prefix_hash")]
     assert [a.split(" at ")[0] for a in failover["actions"]] == ["kill worker 1",
                                                                  "restart worker 1"]
@@ -225,10 +229,13 @@ def test_repeated_runs_are_pooled_per_case_and_router(capsys: pytest.CaptureFixt
     from kvserve.bench.gateway_report import CaseRun, print_pooled
 
     def run(router: str, seed: int, hit: float, ttfts: list[float]) -> CaseRun:
+        # The slowest request was a cold prefill that a 429 had sent back once.
+        rows = [[i, t, 100, 0 if t == max(ttfts) else 90, int(t == max(ttfts)), 0, 0]
+                for i, t in enumerate(ttfts)]
         return CaseRun(case="base", router=router, replicas=1, requests=3, completed=3, lost=0,
                        hit_rate=hit, ttft_ms={}, e2e_ms={}, request_throughput=1.0,
                        retries=seed, rejections=0, worker_shares=[1.0], duration_s=1.0,
-                       seed=seed, ttfts_ms=ttfts)
+                       seed=seed, ttfts_ms=ttfts, per_request=rows)
 
     print_pooled([run("ideal", 0, 0.9, [1.0, 2.0, 3.0]), run("kvserve:precise", 0, 0.8,
                                                            [10.0, 20.0, 30.0]),
@@ -236,13 +243,31 @@ def test_repeated_runs_are_pooled_per_case_and_router(capsys: pytest.CaptureFixt
                                                            [40.0, 50.0, 60.0])])
     rows = {line.split("│")[2].strip(): [c.strip() for c in line.split("│")[3:-1]]
             for line in capsys.readouterr().out.splitlines() if line.count("│") > 10}
-    seeds, mean, span, gap, p50, p99, with_lost, done, lost, retries, _ = rows["kvserve:precise"]
+    seeds, mean, span, gap, p50, p99, with_lost, done, lost, retries, _, tail = rows[
+        "kvserve:precise"]
     assert (seeds, mean, span, gap, done, lost, retries) == ("2", "0.750", "0.700-0.800", "5.0",
                                                              "6/6", "0", "1")
     assert float(p50) == pytest.approx(35.0) and 55.0 < float(p99) <= 60.0
     assert with_lost == p99  # nothing lost: the same p99
+    assert tail == "1: 1 cold, 1 refused"  # of 6, only the slowest is at or above the p99
     print_pooled([run("ideal", 0, 0.9, [1.0])])  # one seed each: nothing to pool, no table
     assert capsys.readouterr().out == ""
+
+
+def test_the_tail_says_what_its_requests_met() -> None:
+    from kvserve.bench.gateway_report import tail_label, tail_makeup
+
+    # [index, TTFT ms, prompt tokens, cached tokens, 429s, client timeouts, failed attempts]
+    rows = [[i, 10.0 + i, 2000, 1984, 0, 0, 0] for i in range(196)]
+    rows += [[196, 300.0, 2000, 0, 0, 0, 0], [197, 900.0, 2000, 1984, 2, 0, 0],
+             [198, 3100.0, 2000, 1984, 0, 1, 1], [199, 250.0, None, None, 0, 0, 0]]
+    makeup = tail_makeup(rows)  # p99 of 200: between the 198th and 199th slowest
+    assert makeup == {"n": 2, "cold": 0, "refused": 1, "timed_out": 1, "failed": 1}
+    assert tail_label(makeup) == "2: 1 refused, 1 timed out, 1 failed"
+    assert tail_makeup(rows, 98) == {"n": 4, "cold": 1, "refused": 1, "timed_out": 1,
+                                     "failed": 1}  # a request without usage is never cold
+    assert tail_label(tail_makeup(rows[:10], 50)) == "5: warm, first try"
+    assert tail_makeup([])["n"] == 0
 
 
 def test_lost_requests_count_as_slower_than_any_in_the_p99() -> None:

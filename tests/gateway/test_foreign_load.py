@@ -1,6 +1,7 @@
 """Seeing other routers on the workers: the foreign count is a lower bound that the gateway's own
 traffic never raises, the verdict turns on and off only on evidence, and the scraper feeds it
-from real scrapes (a worker reporting more requests than the gateway sent it)."""
+from real scrapes (a worker reporting more requests running, or finishing more, than the gateway
+sent it)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,23 @@ def test_a_trickle_of_foreign_requests_is_not_a_replica() -> None:
     assert load.share < 0.02 and not load.shared
 
 
+def test_finished_requests_see_a_replica_that_short_requests_hide_from_the_running_count(
+) -> None:
+    load = ForeignLoad(window_s=60.0, min_share=0.2, min_foreign=4)
+    for t in range(10):  # light load: every scrape finds the worker idle
+        assert load.record(float(t), reported=0, own_at_most=0) == 0
+        # ... but it finished 2 requests since the last scrape, and this gateway sent 1
+        assert load.record_finished(float(t), finished=2, own_at_most=1) == 1
+    assert load.shared and load.share == pytest.approx(0.5)
+
+
+def test_finished_requests_of_the_gateways_own_are_never_foreign() -> None:
+    load = ForeignLoad(window_s=60.0, min_share=0.2, min_foreign=4)
+    for t in range(100):  # what was in flight at the last scrape, or sent since, finishing
+        assert load.record_finished(float(t), finished=t % 5, own_at_most=4) == 0
+    assert load.share == 0.0 and not load.shared
+
+
 def test_bad_settings_are_refused() -> None:
     with pytest.raises(ValueError, match="min_share"):
         ForeignLoad(min_share=0.0)
@@ -79,4 +97,44 @@ async def _scrape_shared_workers() -> None:
         await scraper.scrape_once()
         assert (pool.get(a).foreign, pool.get(b).foreign) == (0, 4)
         assert verdicts == [True] and foreign.share == pytest.approx(4 / 7)
+        await client.aclose()
+
+
+def test_the_scraper_counts_finished_requests_the_gateway_did_not_send() -> None:
+    asyncio.run(_scrape_finished_requests())
+
+
+async def _scrape_finished_requests() -> None:
+    finished = {"stop": 10, "length": 5}
+
+    def answer(url: str, path: str) -> tuple[int, str]:
+        if path == "/health":
+            return 200, "ok"
+        return 200, ("vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n"
+                     "vllm:prefix_cache_queries_total 100\n" + "".join(
+                         f'vllm:request_success_total{{finished_reason="{reason}"}} {n}\n'
+                         f'vllm:request_success_created{{finished_reason="{reason}"}} 1.7e9\n'
+                         for reason, n in finished.items()))
+
+    client = UpstreamClient()
+    async with loopback_workers(1, answer) as (a,):
+        pool = WorkerPool([a])
+        worker = pool.get(a)
+        worker.in_flight = 1  # this gateway's own, open when the first scrape goes out
+        foreign = ForeignLoad(min_foreign=4)
+        scraper = Scraper(pool, client, foreign=foreign)
+        await scraper.scrape_once()  # the first sighting: no interval to judge yet
+        assert worker.requests_finished == 15 and worker.foreign == 0
+        worker.dispatched += 2  # it sends two more; 8 requests finish in all
+        finished["stop"] += 8
+        await scraper.scrape_once()
+        assert worker.foreign == 5 and foreign.shared  # 8 - (1 open + 2 sent)
+        assert foreign.share == pytest.approx(5 / 8)
+        finished.update(stop=1, length=0)  # restarted: the counter began again
+        await scraper.scrape_once()
+        assert worker.foreign == 0 and worker.requests_finished == 1
+        finished["stop"] += 3  # from the new start, all three its own
+        worker.dispatched += 3
+        await scraper.scrape_once()
+        assert worker.foreign == 0
         await client.aclose()

@@ -49,8 +49,9 @@ class CaseRun:
     seed: int = 0  # of the workload (--seed, + the repeat's index with --repeats)
     ttfts_ms: list[float] = field(default_factory=list)  # every completed request's, sorted
     cpu_ms_per_request: dict[str, float] = field(default_factory=dict)  # "router", "workers"
-    # Each completed request in arrival order: [index, TTFT ms, prompt tokens, cached tokens]
-    # (the tokens as the worker's usage reports them, None where it reports none).
+    # Each completed request in arrival order: [index, TTFT ms, prompt tokens, cached tokens,
+    # 429/503 answers, client timeouts, other failed attempts] (the tokens as the worker's
+    # usage reports them, None where it reports none; the counts over the request's attempts).
     per_request: list[list[float | None]] = field(default_factory=list)
     ttft_p99_with_lost_ms: float = float("nan")  # the lost counted as infinitely slow
     lost_by_error: dict[str, int] = field(default_factory=dict)  # why each lost one was
@@ -92,6 +93,35 @@ def percentile_with_lost(completed_ms: Sequence[float], lost: int, q: float) -> 
     return math.inf if math.ceil(pos) >= len(ordered) else at_rank(ordered, pos)
 
 
+def tail_makeup(per_request: Sequence[Sequence[float | None]], q: float = 99.0) -> dict[str, int]:
+    """What the completed requests at or above the q-th TTFT percentile were (`per_request`
+    rows as `CaseRun.per_request`): how many (`n`), and of those how many were cold prefills
+    (under half the prompt served from cache, as the worker reports it), were answered 429/503
+    at least once (`refused`), timed out at the client at least once (`timed_out`), or had
+    another attempt fail (`failed`). One request may count in several; an empty tail for no
+    rows."""
+    makeup = {"n": 0, "cold": 0, "refused": 0, "timed_out": 0, "failed": 0}
+    threshold = percentile([float(row[1] or 0.0) for row in per_request], q)
+    if threshold is None:
+        return makeup
+    for _, ttft, prompt, cached, refused, timed_out, failed in per_request:
+        if ttft is None or ttft < threshold:
+            continue
+        makeup["n"] += 1
+        makeup["cold"] += int(prompt is not None and cached is not None and cached < prompt / 2)
+        makeup["refused"] += int(bool(refused))
+        makeup["timed_out"] += int(bool(timed_out))
+        makeup["failed"] += int(bool(failed))
+    return makeup
+
+
+def tail_label(makeup: dict[str, int]) -> str:
+    """`tail_makeup` in a table cell: "6: 5 cold, 1 refused"."""
+    parts = [f"{makeup[k]} {k.replace('_', ' ')}" for k in ("cold", "refused", "timed_out",
+                                                               "failed") if makeup[k]]
+    return f"{makeup['n']}: " + (", ".join(parts) if parts else "warm, first try")
+
+
 def _ms(value: float) -> str:
     return "∞" if math.isinf(value) else f"{value:.0f}"
 
@@ -111,7 +141,8 @@ def summarize(case: str, router: str, replicas: int, requests: Sequence[GatewayR
         rejections=sum(r.rejections for r in results),
         worker_shares=poller.shares(), duration_s=duration_s, actions=list(actions),
         errors=list(dict.fromkeys(r.error for r in results if r.error))[:3],
-        per_request=[[i, round(r.ttft_s * 1e3, 1), r.prompt_tokens, r.cached_tokens]
+        per_request=[[i, round(r.ttft_s * 1e3, 1), r.prompt_tokens, r.cached_tokens,
+                      r.rejections, r.timeouts, r.failures]
                      for i, r in enumerate(results) if r.ok and r.ttft_s is not None],
         ttft_p99_with_lost_ms=percentile_with_lost(ttfts, len(results) - len(ok), 99),
         lost_by_error=dict(Counter(r.error or "unknown" for r in results if not r.ok)))
@@ -163,7 +194,7 @@ def print_pooled(runs: Sequence[CaseRun]) -> None:
     table = Table(title="pooled over seeds", title_justify="left")
     for col in ("case", "router", "seeds", "hit rate (mean)", "hit min-max", "below ideal (pts)",
                 "TTFT p50 ms", "TTFT p99 ms", "p99, lost = ∞", "done", "lost", "retries",
-                "429s"):
+                "429s", "at or above p99"):
         table.add_column(col, justify="left" if col in ("case", "router") else "right")
     for (case, router, replicas), group in groups.items():
         hits = [r.hit_rate for r in group]
@@ -177,5 +208,6 @@ def print_pooled(runs: Sequence[CaseRun]) -> None:
             f"{sum(gaps) / len(gaps):.1f}" if gaps else "", f"{ttft['p50']:.0f}",
             f"{ttft['p99']:.0f}", _ms(with_lost), f"{sum(r.completed for r in group)}/"
             f"{sum(r.requests for r in group)}", str(sum(r.lost for r in group)),
-            str(sum(r.retries for r in group)), str(sum(r.rejections for r in group)))
-    Console(width=200).print(table)
+            str(sum(r.retries for r in group)), str(sum(r.rejections for r in group)),
+            tail_label(tail_makeup([row for r in group for row in r.per_request])))
+    Console(width=220).print(table)

@@ -49,8 +49,9 @@ class PoolCollector(Collector):
         role = GaugeMetricFamily("kvserve:gateway_worker_role", "1 for the worker's role: both "
                                  "(unified), prefill or decode.", labels=["worker", "role"])
         foreign = GaugeMetricFamily("kvserve:gateway_worker_foreign_requests", "Requests the "
-                                    "worker reported at the last scrape that this gateway did "
-                                    "not send (at least): other routers', or direct clients'.",
+                                    "worker reported running, waiting or finished at the last "
+                                    "scrape that this gateway did not send (at least): other "
+                                    "routers', or direct clients'.",
                                     labels=["worker"])
         hits = queries = 0.0
         for w in self.pool.workers.values():
@@ -67,7 +68,8 @@ class PoolCollector(Collector):
         yield from (role, healthy, in_flight, backlog, waiting, foreign, hit_rate)
         if self.foreign is not None:
             share = GaugeMetricFamily("kvserve:gateway_foreign_load_share", "Of the requests the "
-                                      "workers reported over the last minute of scrapes, the "
+                                      "workers reported over the last minute of scrapes "
+                                      "(running and waiting, or finished: the larger), the "
                                       "share this gateway did not send (about (k-1)/k behind k "
                                       "replicas).", labels=["policy"])
             share.add_metric([self.policy], self.foreign.share)

@@ -5,7 +5,7 @@ vLLM's; SGLang's under its own names where they differ), so the policies see que
 usage with at most one interval of staleness.
 
 A worker's exposition runs to hundreds of lines (histograms, per-reason counters) of which the
-gateway needs eight series: `read_series` looks only at the lines that name one, instead of
+gateway needs nine series: `read_series` looks only at the lines that name one, instead of
 parsing every family (prometheus_client's parser took 2.5 ms of the gateway's CPU per scrape
 of a kvserve worker, this 0.1 ms).
 """
@@ -30,6 +30,7 @@ _SERIES = {
     "kvserve:max_num_seqs": "batch_capacity",
     "vllm:prefix_cache_queries": "prefix_queries",
     "vllm:prefix_cache_hits": "prefix_hits",
+    "vllm:request_success": "requests_finished",
     "sglang:num_running_reqs": "num_running",
     "sglang:num_queue_reqs": "num_waiting",
     "sglang:max_total_num_tokens": "kv_capacity_tokens",
@@ -116,6 +117,7 @@ def apply_metrics(worker: WorkerState, text: str) -> bool:
     restarted = queries < worker.prefix_queries
     worker.prefix_queries = queries
     worker.prefix_hits = totals.get("prefix_hits", worker.prefix_hits)
+    worker.requests_finished = totals.get("requests_finished")
     return restarted
 
 
@@ -144,6 +146,9 @@ class Scraper(Periodic):
         self.foreign = foreign if foreign is not None else ForeignLoad()
         self.on_shared = on_shared
         self._abandoned: dict[str, int] = {}  # worker -> its abandoned count, last scrape
+        # worker -> at its last scrape: its finished-requests counter, and this gateway's
+        # requests in flight there and ever dispatched there when that scrape went out
+        self._finished_base: dict[str, tuple[float, int, int]] = {}
         self.pool = pool
         self.client = client
         self.interval_s = interval_s
@@ -189,11 +194,28 @@ class Scraper(Periodic):
         # was out, and those it abandoned since the last scrape (the worker may not have
         # noticed the disconnect yet).
         self._abandoned[worker.url] = worker.abandoned
-        worker.foreign = self.foreign.record(
+        running = self.foreign.record(
             now, worker.num_running + worker.num_waiting,
             own + worker.dispatched - dispatched + worker.abandoned - abandoned)
+        worker.foreign = max(running, self._foreign_finished(worker, now, own, dispatched,
+                                                             restarted))
         if restarted and self.on_restart is not None:
             self.on_restart(worker.url)
         if (worker.kv_capacity_tokens != capacity and worker.kv_capacity_tokens > 0
                 and self.on_capacity is not None):
             self.on_capacity(worker.url, worker.kv_capacity_tokens)
+
+    def _foreign_finished(self, worker: WorkerState, now: float, own: int, dispatched: int,
+                          restarted: bool) -> int:
+        """Requests the worker finished since its previous scrape that this gateway cannot
+        have sent (`ForeignLoad.record_finished`); 0 without a counter to compare, or across
+        a restart (the counter started again)."""
+        finished, base = worker.requests_finished, self._finished_base.pop(worker.url, None)
+        if finished is None:
+            return 0
+        self._finished_base[worker.url] = (finished, own, dispatched)
+        if base is None or restarted or finished < base[0]:
+            return 0
+        last, own_then, dispatched_then = base
+        return self.foreign.record_finished(now, int(finished - last),
+                                            own_then + worker.dispatched - dispatched_then)

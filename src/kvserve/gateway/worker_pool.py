@@ -22,7 +22,7 @@ class WorkerState:
     in_flight: int = 0
     dispatched: int = 0  # requests ever sent to it, counted as sent (in_flight's increments)
     abandoned: int = 0  # requests closed before their answer ended (client gone, deadline)
-    foreign: int = 0  # requests it reported that this gateway did not send, last scrape
+    foreign: int = 0  # requests it served that this gateway did not send, last scrape
     prefill_backlog_tokens: int = 0  # see WorkerView; kept by forward.Forwarder
     num_running: int = 0
     num_waiting: int = 0
@@ -32,6 +32,7 @@ class WorkerState:
     capacity_declared: bool = False  # the worker says its batch (kvserve:max_num_seqs)
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
+    requests_finished: float | None = None  # its finished-requests counter; None: not exported
     consecutive_failures: int = 0
     ejected_until: float = 0.0
     backoff_s: float = 0.0
