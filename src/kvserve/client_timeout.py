@@ -13,6 +13,11 @@ The timeout bounds the wait for the response's first byte: the first token of a 
 whole answer otherwise. That is what clients mean by it: the OpenAI SDKs send their read
 timeout as `x-stainless-read-timeout` with every request, and an Envoy or Istio in front sends
 the route's timeout as `x-envoy-expected-rq-timeout-ms`. The tightest one given wins.
+
+The OpenAI SDKs (and every other Stainless-generated SDK) also send how many retries an attempt
+follows, `x-stainless-retry-count`; such a client counts a 429 against the same `max_retries`
+(2 by default) as a timeout, so refusing its request spends one of its few attempts
+(`refusals_spend_retries`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Mapping
 
 TIMEOUT_HEADER = "x-kvserve-timeout"  # seconds; what the gateway forwards to workers
 SDK_TIMEOUT_HEADER = "x-stainless-read-timeout"  # seconds; sent by the OpenAI SDKs
+SDK_RETRY_COUNT_HEADER = "x-stainless-retry-count"  # retries taken; sent by the OpenAI SDKs
 ENVOY_TIMEOUT_HEADER = "x-envoy-expected-rq-timeout-ms"  # milliseconds
 
 _SECONDS_PER_UNIT = {TIMEOUT_HEADER: 1.0, SDK_TIMEOUT_HEADER: 1.0, ENVOY_TIMEOUT_HEADER: 1e-3}
@@ -48,6 +54,12 @@ def client_timeout_s(headers: Mapping[str, str]) -> float | None:
             raise BadTimeout(f"header {name} must be a positive number of {unit}, got {raw!r}")
         best = value if best is None else min(best, value)
     return best
+
+
+def refusals_spend_retries(headers: Mapping[str, str]) -> bool:
+    """Whether the client is an SDK that counts a 429 as one of its retries: it says how many
+    it has taken (`SDK_RETRY_COUNT_HEADER`, lower-case names), whatever the value."""
+    return SDK_RETRY_COUNT_HEADER in headers
 
 
 def format_timeout(seconds: float) -> str:

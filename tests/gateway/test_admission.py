@@ -292,6 +292,28 @@ def test_the_refusal_on_arrival_counts_only_the_requests_ahead() -> None:
     run(scenario())
 
 
+def test_a_request_whose_retries_a_429_spends_waits_its_turn_instead() -> None:
+    async def scenario() -> None:
+        clock = FakeClock()
+        admission = Admission(10, 100, 1.0, clock=clock)
+        await _fill_and_serve_ten(admission, clock)  # 8 slots freed a second
+        queued = [asyncio.create_task(admission.acquire()) for _ in range(8)]
+        await _settle()
+        with pytest.raises(Saturated):
+            await admission.acquire()  # 9 / 8 per s > 1 s: refused on arrival
+        patient = asyncio.create_task(admission.acquire(refuse_on_arrival=False))
+        await _settle()
+        assert admission.queued == 9 and admission.rejected == 1 and not patient.done()
+        for _ in range(9):  # its turn comes
+            admission.release()
+        await _settle()
+        assert patient.done() and patient.exception() is None
+        for task in queued:
+            await task
+
+    run(scenario())
+
+
 def test_a_departed_resend_leaves_the_queue_in_order() -> None:
     async def scenario() -> None:
         admission = Admission(1, 8, 5.0)

@@ -8,7 +8,12 @@ import time
 
 import pytest
 
-from kvserve.client_timeout import BadTimeout, client_timeout_s, format_timeout
+from kvserve.client_timeout import (
+    BadTimeout,
+    client_timeout_s,
+    format_timeout,
+    refusals_spend_retries,
+)
 from kvserve.gateway.admission import Admission, Saturated
 from kvserve.gateway.latency_limit import LatencyLimit
 from kvserve.gateway.queue_wait import (
@@ -36,6 +41,13 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused_naming_the_header(
         client_timeout_s({"x-kvserve-timeout": value})
     with pytest.raises(BadTimeout, match="milliseconds"):
         client_timeout_s({"x-envoy-expected-rq-timeout-ms": value})
+
+
+def test_an_sdk_client_that_says_its_retries_counts_a_429_as_one() -> None:
+    assert refusals_spend_retries({"x-stainless-retry-count": "0"})
+    assert refusals_spend_retries({"x-stainless-retry-count": "2"})
+    assert not refusals_spend_retries({"x-stainless-read-timeout": "600"})  # its timeout only
+    assert not refusals_spend_retries({})
 
 
 def test_the_forwarded_timeout_is_never_zero() -> None:

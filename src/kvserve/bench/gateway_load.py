@@ -7,7 +7,8 @@ streaming, with the tenant in `X-Tenant-Id`. Clients behave like production ones
   SDKs read them; default 1 s) and send again; with `rejections_spend_retries` each one also
   counts against `max_retries`, as the OpenAI SDKs count it (their `max_retries` covers 429s,
   5xx, timeouts and connection errors alike, 2 by default), so a request refused that often
-  is lost;
+  is lost, and each attempt says the retries it follows in `x-stainless-retry-count`, as the
+  SDKs do;
 - a failed attempt (connection refused or reset, an error before or during the stream) is resent
   after `error_backoff_s`, at most `max_retries` times;
 - with `ttft_timeout_s`, an attempt with no first token by then is abandoned (the connection is
@@ -39,7 +40,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvserve.bench.gateway_workload import GatewayRequest
-from kvserve.client_timeout import SDK_TIMEOUT_HEADER
+from kvserve.client_timeout import SDK_RETRY_COUNT_HEADER, SDK_TIMEOUT_HEADER
 from kvserve.gateway.scraper import apply_metrics
 from kvserve.gateway.worker_pool import WorkerState
 
@@ -112,11 +113,13 @@ def _retry_after_s(headers: httpx.Headers, default_s: float) -> float:
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, object],
                   tenant: str, started: float, attempt: _Attempt,
-                  policy: ClientPolicy) -> None:
+                  policy: ClientPolicy, retries_taken: int) -> None:
     default_retry_after_s = policy.default_retry_after_s
     headers = {"X-Tenant-Id": tenant}
     if policy.ttft_timeout_s is not None:
         headers[SDK_TIMEOUT_HEADER] = str(float(policy.ttft_timeout_s))
+    if policy.rejections_spend_retries:
+        headers[SDK_RETRY_COUNT_HEADER] = str(retries_taken)
     try:
         async with client.stream("POST", f"{url}/v1/completions", json=body,
                                  headers=headers) as resp:
@@ -173,7 +176,7 @@ async def send_request(client: httpx.AsyncClient, request: GatewayRequest, model
         result.attempts += 1
         attempt = _Attempt()
         task = asyncio.create_task(_stream(client, target(request, attempt_no), body,
-                                           request.tenant, started, attempt, policy))
+                                           request.tenant, started, attempt, policy, retries))
         try:
             await _first_token_or_timeout(task, attempt, policy, started, remaining)
             await asyncio.wait_for(asyncio.shield(task), deadline - time.perf_counter())

@@ -149,12 +149,15 @@ class Admission:
         finally:
             self.release()
 
-    async def acquire(self, deadline: float | None = None, since: float | None = None) -> int:
+    async def acquire(self, deadline: float | None = None, since: float | None = None,
+                      refuse_on_arrival: bool = True) -> int:
         """Take a slot (a streamed response releases it when the stream ends) and return the
         latency limit's generation to report the first byte with; raises Saturated when none
         comes within the queue limits. `deadline` (on `clock`): when the client gives up
         (`queue_wait.max_queue_wait`). `since` (on `clock`; default now): when the request
-        was first asked for, its place in the queue."""
+        was first asked for, its place in the queue. Without `refuse_on_arrival` the request
+        waits its turn for as long as it may, however long the queue ahead looks (a client
+        whose retries a 429 spends)."""
         if not self._waiters and self.in_flight < self.limit:
             self.in_flight += 1
             return self.generation
@@ -167,7 +170,7 @@ class Admission:
         entry = _Waiter(self.clock() if since is None else since, next(self._seq),
                         asyncio.get_running_loop().create_future())
         ahead = bisect.bisect(self._waiters, entry)
-        wait = self.expected_wait_s(ahead)
+        wait = self.expected_wait_s(ahead) if refuse_on_arrival else None
         if wait is not None and wait > max_wait:
             self.rejected += 1
             raise Saturated("queue wait", self.retry_after_s)

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.client_timeout import BadTimeout, client_timeout_s
+from kvserve.client_timeout import BadTimeout, client_timeout_s, refusals_spend_retries
 from kvserve.gateway.admission import Admission, Saturated
 from kvserve.gateway.forward import Forwarder, NoWorkerAvailable, Upstream
 from kvserve.gateway.latency_limit import is_late
@@ -171,6 +171,7 @@ class ProxyEndpoint:
     max_body_bytes: int
     ttft_target_s: float | None = None  # a first byte later than this is late, timeout or not
     seniority: Seniority | None = field(default_factory=Seniority)  # None: queue by arrival
+    refuse_sdk_on_arrival: bool = False  # see `_Budget.refuse_on_arrival`
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.monotonic()
@@ -322,7 +323,9 @@ class ProxyEndpoint:
             if since < budget.started:
                 self.metrics.resends.inc()
         try:
-            budget.admit(await self.admission.acquire(budget.deadline, since))
+            budget.admit(await self.admission.acquire(
+                budget.deadline, since,
+                self.refuse_sdk_on_arrival or not refusals_spend_retries(headers)))
         except Saturated as exc:
             self.metrics.rejections.labels(exc.reason).inc()
             return _error(429, f"the fleet is saturated ({exc.reason}); retry after "
