@@ -9,9 +9,13 @@ its client's own timeout fires and it resends, which is how a retry storm starts
 
 A request is refused on arrival, not after waiting out the timeout, when the queue ahead of it
 would take longer than it may wait, at the rate slots have been freed over the last
-`RATE_WINDOW_S` (`service_rate`). Retry-After stays `retry_after_s` (1 s): telling clients the
-queue's drain time instead was measured to leave the fleet idle while they waited
-(`kvserve bench gateway`, overload, docs/benchmarks.md).
+`RATE_WINDOW_S` (`service_rate`); but not one whose client counts a 429 as one of its few
+retries (an SDK, `client_timeout.refusals_spend_retries`), which waits its turn instead
+(`acquire(refuse_on_arrival=False)`): refused on arrival each time, such requests were lost
+a second or two after their first send, a third of a storm's (`kvserve bench gateway
+--sdk-retries`, docs/benchmarks.md, thirteenth session). Retry-After stays `retry_after_s`
+(1 s): telling clients the queue's drain time instead was measured to leave the fleet idle
+while they waited (`kvserve bench gateway`, overload, docs/benchmarks.md).
 
 The queue is ordered by when each request was first asked for (`since`, from
 `seniority.Seniority`), not by when this attempt arrived: a client's resend after a 429 or a

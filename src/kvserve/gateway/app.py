@@ -72,7 +72,6 @@ class GatewaySettings:
     latency_limit: bool = True  # the AIMD limit from late first bytes (`latency_limit.py`)
     learned_capacity: bool = True  # admission counts batches learned from scrapes too
     seniority: bool = True  # a resend queues in its first send's place (`seniority.py`)
-    refuse_sdk_on_arrival: bool = False  # an SDK client's request may be refused on arrival
     ttft_target_s: float | None = None  # a first byte later than this is late for that limit
     tenancy: Tenancy = field(default_factory=Tenancy)
     tokenizer: str | None = None  # the workers' tokenizer, for exact keys (`precise`)
@@ -245,7 +244,6 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
 
     proxy = ProxyEndpoint(forwarder, admission, metrics, settings.tenancy, keys, capacity,
                           settings.max_body_bytes, settings.ttft_target_s,
-                          Seniority() if settings.seniority else None,
-                          settings.refuse_sdk_on_arrival)
+                          Seniority() if settings.seniority else None)
     return GatewayApp(proxy, app)
 

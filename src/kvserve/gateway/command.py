@@ -61,9 +61,6 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                    help="queue a client's resend of a request not yet answered (same tenant, "
                         "path and body) in the place its first send took, ahead of younger "
                         "requests, instead of at the back")
-    p.add_argument("--refuse-sdk-on-arrival", action="store_true",
-                   help="refuse on arrival, like any other, a request from an SDK client "
-                        "(x-stainless-retry-count), whose retries a 429 spends")
     p.add_argument("--ttft-target", type=float, default=None, metavar="S",
                    help="a first byte later than S seconds is late, whatever the client said")
     p.add_argument("--retry-ratio", type=float, default=0.1,
@@ -107,7 +104,7 @@ def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] |
         queue_timeout_s=args.queue_timeout, max_queue_wait_s=args.max_queue_wait,
         retry_ratio=args.retry_ratio,
         latency_limit=args.latency_limit, ttft_target_s=args.ttft_target,
-        seniority=args.seniority, refuse_sdk_on_arrival=args.refuse_sdk_on_arrival,
+        seniority=args.seniority,
         learned_capacity=args.learned_capacity,
         tenancy=Tenancy.from_specs(args.share_group, args.tenant_header, args.salt_secret),
         tokenizer=args.tokenizer, block_size=args.block_size, admin_key=args.admin_key,

@@ -171,7 +171,6 @@ class ProxyEndpoint:
     max_body_bytes: int
     ttft_target_s: float | None = None  # a first byte later than this is late, timeout or not
     seniority: Seniority | None = field(default_factory=Seniority)  # None: queue by arrival
-    refuse_sdk_on_arrival: bool = False  # see `_Budget.refuse_on_arrival`
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.monotonic()
@@ -323,9 +322,9 @@ class ProxyEndpoint:
             if since < budget.started:
                 self.metrics.resends.inc()
         try:
+            # An SDK client counts a 429 as one of its few retries: it waits its turn.
             budget.admit(await self.admission.acquire(
-                budget.deadline, since,
-                self.refuse_sdk_on_arrival or not refusals_spend_retries(headers)))
+                budget.deadline, since, refuse_on_arrival=not refusals_spend_retries(headers)))
         except Saturated as exc:
             self.metrics.rejections.labels(exc.reason).inc()
             return _error(429, f"the fleet is saturated ({exc.reason}); retry after "
