@@ -12,7 +12,7 @@ would take longer than it may wait, at the rate slots have been freed over the l
 `RATE_WINDOW_S` (`service_rate`); but not one whose client counts a 429 as one of its few
 retries (an SDK, `client_timeout.refusals_spend_retries`), which waits its turn instead
 (`acquire(refuse_on_arrival=False)`): refused on arrival each time, such requests were lost
-a second or two after their first send, a third of a storm's (`kvserve bench gateway
+a second or two after their first send, a third of a storm's requests (`kvserve bench gateway
 --sdk-retries`, docs/benchmarks.md, thirteenth session). Retry-After stays `retry_after_s`
 (1 s): telling clients the queue's drain time instead was measured to leave the fleet idle
 while they waited (`kvserve bench gateway`, overload, docs/benchmarks.md).
