@@ -270,15 +270,22 @@ def test_a_resend_queues_ahead_of_requests_younger_than_its_first_send() -> None
     run(scenario())
 
 
+async def _eight_queued_and_a_ninth_refused() -> tuple[Admission, list[asyncio.Task[int]]]:
+    """A full fleet freeing 8 slots a second, 8 requests queued: a new one, 9 / 8 per s > 1 s
+    from its slot, is refused on arrival."""
+    clock = FakeClock()
+    admission = Admission(10, 100, 1.0, clock=clock)
+    await _fill_and_serve_ten(admission, clock)
+    queued = [asyncio.create_task(admission.acquire()) for _ in range(8)]
+    await _settle()
+    with pytest.raises(Saturated):
+        await admission.acquire()
+    return admission, queued
+
+
 def test_the_refusal_on_arrival_counts_only_the_requests_ahead() -> None:
     async def scenario() -> None:
-        clock = FakeClock()
-        admission = Admission(10, 100, 1.0, clock=clock)
-        await _fill_and_serve_ten(admission, clock)  # 8 slots freed a second
-        queued = [asyncio.create_task(admission.acquire()) for _ in range(8)]
-        await _settle()
-        with pytest.raises(Saturated):
-            await admission.acquire()  # a new request: 9 / 8 per s > 1 s
+        admission, queued = await _eight_queued_and_a_ninth_refused()
         senior = asyncio.create_task(admission.acquire(since=50.0))  # first sent long ago
         await _settle()
         assert admission.queued == 9 and not senior.done()
@@ -294,13 +301,7 @@ def test_the_refusal_on_arrival_counts_only_the_requests_ahead() -> None:
 
 def test_a_request_whose_retries_a_429_spends_waits_its_turn_instead() -> None:
     async def scenario() -> None:
-        clock = FakeClock()
-        admission = Admission(10, 100, 1.0, clock=clock)
-        await _fill_and_serve_ten(admission, clock)  # 8 slots freed a second
-        queued = [asyncio.create_task(admission.acquire()) for _ in range(8)]
-        await _settle()
-        with pytest.raises(Saturated):
-            await admission.acquire()  # 9 / 8 per s > 1 s: refused on arrival
+        admission, queued = await _eight_queued_and_a_ninth_refused()
         patient = asyncio.create_task(admission.acquire(refuse_on_arrival=False))
         await _settle()
         assert admission.queued == 9 and admission.rejected == 1 and not patient.done()
