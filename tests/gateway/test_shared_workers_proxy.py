@@ -13,11 +13,15 @@ from tests.gateway.processes import Process, running_gateway, wait_until
 
 
 def test_a_gateway_sees_another_routers_requests_on_its_workers(
-        fleet: list[Process], gateway: Process, proc_logs: Path, make_client: MakeClient,
-        model_name: str) -> None:
+        fleet: list[Process], proc_logs: Path, make_client: MakeClient, model_name: str) -> None:
+    # Both gateways start here: the package's shared one has seen other tests' requests sent
+    # straight to the workers, which are foreign to it.
+    urls = [w.url for w in fleet]
     flags = ["--policy", "cache_aware", "--policy-option", "cold_placement=footprint",
              "--salt-secret", SALT_SECRET]
-    with running_gateway([w.url for w in fleet], proc_logs, flags) as watcher:
+    with (running_gateway(urls, proc_logs, ["--policy", "prefix_hash", "--salt-secret",
+                                            SALT_SECRET]) as gateway,
+          running_gateway(urls, proc_logs, flags) as watcher):
         assert watcher.get("/workers").json()["shared_workers"]["detected"] is False
         stop = threading.Event()
         client = make_client(gateway.url)
@@ -50,7 +54,7 @@ def test_a_gateway_sees_another_routers_requests_on_its_workers(
                                        replica_safe="false") == 1.0
         assert "places a new prefix by what this gateway alone has routed" in watcher.log()
         assert "--policy cache_aware" in watcher.log()
-    sender = gateway.get("/workers").json()
-    assert sender["shared_workers"]["detected"] is False
-    assert gateway.metrics().value("kvserve:gateway_foreign_load_share",
-                                   policy="prefix_hash") == 0.0
+        sender = gateway.get("/workers").json()
+        assert sender["shared_workers"]["detected"] is False
+        assert gateway.metrics().value("kvserve:gateway_foreign_load_share",
+                                       policy="prefix_hash") == 0.0

@@ -16,6 +16,7 @@ import asyncio
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from kvserve.gateway.foreign_load import ForeignLoad
 from kvserve.gateway.periodic import Periodic
@@ -146,9 +147,7 @@ class Scraper(Periodic):
         self.foreign = foreign if foreign is not None else ForeignLoad()
         self.on_shared = on_shared
         self._abandoned: dict[str, int] = {}  # worker -> its abandoned count, last scrape
-        # worker -> at its last scrape: its finished-requests counter, and this gateway's
-        # requests in flight there and ever dispatched there when that scrape went out
-        self._finished_base: dict[str, tuple[float, int, int]] = {}
+        self._finished_base: dict[str, _FinishedBase] = {}  # worker -> at its last scrape
         self.pool = pool
         self.client = client
         self.interval_s = interval_s
@@ -177,6 +176,7 @@ class Scraper(Periodic):
                 return
             own, dispatched, abandoned = (worker.in_flight, worker.dispatched,
                                           self._abandoned.get(worker.url, 0))
+            sent = _FinishedBase(0.0, own, dispatched, worker.abandoned, worker.abandoned)
             status, body = await _get(self.client, f"{worker.url}/metrics")
         except TimeoutError:
             self.pool.record_health(worker.url, False, now,
@@ -197,25 +197,42 @@ class Scraper(Periodic):
         running = self.foreign.record(
             now, worker.num_running + worker.num_waiting,
             own + worker.dispatched - dispatched + worker.abandoned - abandoned)
-        worker.foreign = max(running, self._foreign_finished(worker, now, own, dispatched,
-                                                             restarted))
+        worker.foreign = max(running, self._foreign_finished(worker, now, sent, restarted))
         if restarted and self.on_restart is not None:
             self.on_restart(worker.url)
         if (worker.kv_capacity_tokens != capacity and worker.kv_capacity_tokens > 0
                 and self.on_capacity is not None):
             self.on_capacity(worker.url, worker.kv_capacity_tokens)
 
-    def _foreign_finished(self, worker: WorkerState, now: float, own: int, dispatched: int,
+    def _foreign_finished(self, worker: WorkerState, now: float, sent: _FinishedBase,
                           restarted: bool) -> int:
         """Requests the worker finished since its previous scrape that this gateway cannot
         have sent (`ForeignLoad.record_finished`); 0 without a counter to compare, or across
-        a restart (the counter started again)."""
+        a restart (the counter started again). `sent`: the gateway's counts when this scrape
+        went out. Its own that the worker can have counted since: those in flight when the
+        previous scrape went out, those sent since, and those abandoned since the scrape
+        before that (a worker may count an abandoned request only once it notices)."""
         finished, base = worker.requests_finished, self._finished_base.pop(worker.url, None)
         if finished is None:
             return 0
-        self._finished_base[worker.url] = (finished, own, dispatched)
-        if base is None or restarted or finished < base[0]:
+        self._finished_base[worker.url] = _FinishedBase(
+            finished, sent.own, sent.dispatched, sent.abandoned,
+            base.abandoned if base is not None else sent.abandoned)
+        if base is None or restarted or finished < base.finished:
             return 0
-        last, own_then, dispatched_then = base
-        return self.foreign.record_finished(now, int(finished - last),
-                                            own_then + worker.dispatched - dispatched_then)
+        own_at_most = (base.own + worker.dispatched - base.dispatched
+                       + worker.abandoned - base.abandoned_before)
+        return self.foreign.record_finished(now, int(finished - base.finished), own_at_most)
+
+
+@dataclass(frozen=True, slots=True)
+class _FinishedBase:
+    """A worker's finished-requests counter at a scrape, and this gateway's counts there when
+    that scrape went out: in flight, ever dispatched, ever abandoned, and ever abandoned when
+    the scrape before it went out."""
+
+    finished: float
+    own: int
+    dispatched: int
+    abandoned: int
+    abandoned_before: int
