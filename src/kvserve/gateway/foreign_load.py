@@ -9,12 +9,14 @@ load (requests of tens of milliseconds, scraped once a second) most are never se
 
 Finished: the worker's count of finished requests (`vllm:request_success_total`, kvserve's and
 vLLM's) grows by `finished` between two scrapes' answers. Of the gateway's own, only those in
-flight when the earlier scrape went out or sent since can be among them, so at least `finished -
-(in_flight then + sent since)` came from elsewhere. Every request shows once, however short;
-but the gateway's own in flight loosen the bound as load grows, where the running count is the
-sharper one. Both are lower bounds that the timing of the gateway's own traffic never raises
-(its requests in transit, finishing, or aborted but not yet noticed by the worker only lower
-them), and each is judged over its own window; the workers are shared when either says so.
+flight when the earlier scrape went out, sent since, or abandoned since the scrape before it (a
+worker counts an abandoned request once it notices) can be among them, so at least `finished -
+(in_flight then + sent since + abandoned lately)` came from elsewhere. Every request shows
+once, however short; but the gateway's own in flight loosen the bound as load grows, where the
+running count is the sharper one. Both are lower bounds that the timing of the gateway's own
+traffic never raises (its requests in transit, finishing, or aborted but not yet noticed by the
+worker only lower them), and each is judged over its own window; the workers are shared when
+either says so.
 
 Over a window of scrapes, the foreign share of what the workers reported tells a gateway alone
 on its workers (about 0) from one of k replicas behind an even balancer (about (k - 1) / k).
