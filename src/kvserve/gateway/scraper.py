@@ -16,7 +16,7 @@ import asyncio
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvserve.gateway.foreign_load import ForeignLoad
 from kvserve.gateway.periodic import Periodic
@@ -146,8 +146,8 @@ class Scraper(Periodic):
                  on_shared: Callable[[bool], None] | None = None):
         self.foreign = foreign if foreign is not None else ForeignLoad()
         self.on_shared = on_shared
-        self._abandoned: dict[str, int] = {}  # worker -> its abandoned count, last scrape
-        self._finished_base: dict[str, _FinishedBase] = {}  # worker -> at its last scrape
+        # worker -> its last answered scrape, and its abandoned count at the one before
+        self._last: dict[str, tuple[_Scrape, int]] = {}
         self.pool = pool
         self.client = client
         self.interval_s = interval_s
@@ -174,9 +174,7 @@ class Scraper(Periodic):
                                     None if ok else f"/health answered {status}")
             if not ok:
                 return
-            own, dispatched, abandoned = (worker.in_flight, worker.dispatched,
-                                          self._abandoned.get(worker.url, 0))
-            sent = _FinishedBase(0.0, own, dispatched, worker.abandoned, worker.abandoned)
+            sent = _Scrape(worker.in_flight, worker.dispatched, worker.abandoned)
             status, body = await _get(self.client, f"{worker.url}/metrics")
         except TimeoutError:
             self.pool.record_health(worker.url, False, now,
@@ -190,49 +188,49 @@ class Scraper(Periodic):
         capacity = worker.kv_capacity_tokens
         restarted = apply_metrics(worker, body.decode("utf-8", "replace"))
         worker.last_scrape = now
+        last, abandoned_before = self._last.get(worker.url, (None, sent.abandoned))
+        scrape = replace(sent, finished=worker.requests_finished)
+        self._last[worker.url] = (scrape, sent.abandoned if last is None else last.abandoned)
         # The gateway's own there: those open when the scrape went out, those sent while it
         # was out, and those it abandoned since the last scrape (the worker may not have
         # noticed the disconnect yet).
-        self._abandoned[worker.url] = worker.abandoned
         running = self.foreign.record(
             now, worker.num_running + worker.num_waiting,
-            own + worker.dispatched - dispatched + worker.abandoned - abandoned)
-        worker.foreign = max(running, self._foreign_finished(worker, now, sent, restarted))
+            sent.in_flight + worker.dispatched - sent.dispatched + worker.abandoned
+            - (0 if last is None else last.abandoned))
+        finished = 0
+        if last is not None and not restarted:
+            finished = self._foreign_finished(worker, now, last, abandoned_before)
+        worker.foreign = max(running, finished)
         if restarted and self.on_restart is not None:
             self.on_restart(worker.url)
         if (worker.kv_capacity_tokens != capacity and worker.kv_capacity_tokens > 0
                 and self.on_capacity is not None):
             self.on_capacity(worker.url, worker.kv_capacity_tokens)
 
-    def _foreign_finished(self, worker: WorkerState, now: float, sent: _FinishedBase,
-                          restarted: bool) -> int:
-        """Requests the worker finished since its previous scrape that this gateway cannot
-        have sent (`ForeignLoad.record_finished`); 0 without a counter to compare, or across
-        a restart (the counter started again). `sent`: the gateway's counts when this scrape
-        went out. Its own that the worker can have counted since: those in flight when the
-        previous scrape went out, those sent since, and those abandoned since the scrape
-        before that (a worker may count an abandoned request only once it notices)."""
-        finished, base = worker.requests_finished, self._finished_base.pop(worker.url, None)
-        if finished is None:
+    def _foreign_finished(self, worker: WorkerState, now: float, last: _Scrape,
+                          abandoned_before: int) -> int:
+        """Requests the worker finished since its `last` scrape that this gateway cannot have
+        sent (`ForeignLoad.record_finished`); 0 without a counter to compare, or when it went
+        down (the worker started again). Its own that the worker can have counted since: those
+        in flight when the last scrape went out, those sent since, and those abandoned since
+        the scrape before that (`abandoned_before`: a worker may count an abandoned request
+        only once it notices)."""
+        finished = worker.requests_finished
+        if finished is None or last.finished is None or finished < last.finished:
             return 0
-        self._finished_base[worker.url] = _FinishedBase(
-            finished, sent.own, sent.dispatched, sent.abandoned,
-            base.abandoned if base is not None else sent.abandoned)
-        if base is None or restarted or finished < base.finished:
-            return 0
-        own_at_most = (base.own + worker.dispatched - base.dispatched
-                       + worker.abandoned - base.abandoned_before)
-        return self.foreign.record_finished(now, int(finished - base.finished), own_at_most)
+        own_at_most = (last.in_flight + worker.dispatched - last.dispatched
+                       + worker.abandoned - abandoned_before)
+        return self.foreign.record_finished(now, int(finished - last.finished), own_at_most)
 
 
 @dataclass(frozen=True, slots=True)
-class _FinishedBase:
-    """A worker's finished-requests counter at a scrape, and this gateway's counts there when
-    that scrape went out: in flight, ever dispatched, ever abandoned, and ever abandoned when
-    the scrape before it went out."""
+class _Scrape:
+    """This gateway's counts on a worker when a scrape of it went out (in flight, ever
+    dispatched, ever abandoned), and the worker's finished-requests counter in its answer
+    (None: not exported, or not read yet)."""
 
-    finished: float
-    own: int
+    in_flight: int
     dispatched: int
     abandoned: int
-    abandoned_before: int
+    finished: float | None = None
