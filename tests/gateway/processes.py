@@ -18,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 # Small enough to start in seconds and to run two of them on two cores.
 WORKER_FLAGS = ("--num-kv-blocks", "512", "--max-model-len", "256", "--num-threads", "1")
+ADMIN_KEY = "gateway-tests-admin-key"  # workers' admin routes (/debug/kv, /kv/events)
+ADMIN_PATHS = ("/debug/", "/kv/")
 START_TIMEOUT_S = 120.0  # generous: CI machines are often busy
 
 
@@ -92,6 +94,9 @@ class Process:
             self.kill()
 
     def get(self, path: str, **kwargs: object) -> httpx.Response:
+        """GET `path`; an admin route with the tests' admin key unless headers are given."""
+        if path.startswith(ADMIN_PATHS) and "headers" not in kwargs:
+            kwargs["headers"] = {"Authorization": f"Bearer {ADMIN_KEY}"}
         return httpx.get(f"{self.url}{path}", timeout=10.0, **kwargs)  # type: ignore[arg-type]
 
     def metrics(self) -> Metrics:
@@ -131,8 +136,9 @@ def running_worker_set(model_dir: Path, log_dir: Path,
     workers: list[Process] = []
     try:
         for i, flags in enumerate(flag_sets):
+            keys = () if "--admin-key" in flags else ("--admin-key", ADMIN_KEY)
             workers.append(Process(f"worker{i}", ["serve", "--model", str(model_dir),
-                                                  *WORKER_FLAGS, *flags], log_dir))
+                                                  *WORKER_FLAGS, *keys, *flags], log_dir))
         for worker in workers:
             worker.wait_ready(lambda r: r.status_code == 200)
         yield workers
@@ -145,11 +151,18 @@ def running_worker_set(model_dir: Path, log_dir: Path,
 
 @contextlib.contextmanager
 def running_gateway(worker_urls: Sequence[str], log_dir: Path, flags: Sequence[str] = (),
-                    expect_healthy: int | None = None) -> Iterator[Process]:
+                    expect_healthy: int | None = None,
+                    trust_tenant_header: bool = True) -> Iterator[Process]:
     """`kvserve gateway` in front of `worker_urls`, up once /health reports `expect_healthy`
-    healthy workers (default: all of them)."""
+    healthy workers (default: all of them). The tests name tenants in X-Tenant-Id, as an
+    authenticating layer in front would (`trust_tenant_header`); the gateway holds the workers'
+    admin key unless `flags` give one."""
     want = len(worker_urls) if expect_healthy is None else expect_healthy
-    argv = ["gateway", *(arg for url in worker_urls for arg in ("--worker", url)), *flags]
+    extra = ["--trust-tenant-header"] if trust_tenant_header else []
+    if "--admin-key" not in flags:
+        extra += ["--admin-key", ADMIN_KEY]
+    argv = ["gateway", *(arg for url in worker_urls for arg in ("--worker", url)), *extra,
+            *flags]
     gateway = Process("gateway", argv, log_dir)
     try:
         gateway.wait_ready(lambda r: r.json().get("healthy_workers") == want)

@@ -16,7 +16,7 @@ from kvserve.gateway.prefix import engine_block_hashes
 from kvserve.gateway.route_key import route_request_for
 from kvserve.gateway.token_keys import TokenKeyer
 from tests.gateway.conftest import SALT_SECRET
-from tests.gateway.processes import Process, running_gateway
+from tests.gateway.processes import ADMIN_KEY, Process, running_gateway
 
 PROMPT = "The compliance checker reads every clause of the contract and flags the risky ones. " * 2
 RUN = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
@@ -107,7 +107,8 @@ def test_a_long_poll_answers_when_the_worker_logs_events_not_at_its_timeout(
     body = {"model": model_name, "prompt": "A fresh prompt for the long poll. " * 4, **RUN}
     with httpx.Client(timeout=60) as client, ThreadPoolExecutor(1) as pool:
         poll = pool.submit(client.get, f"{worker.url}/kv/events",
-                           params={"after": cursor, "wait": 25.0})
+                           params={"after": cursor, "wait": 25.0},
+                           headers={"Authorization": f"Bearer {ADMIN_KEY}"})
         time.sleep(0.3)
         assert not poll.done()  # waiting at the worker: nothing new yet
         sent = time.monotonic()

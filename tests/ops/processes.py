@@ -17,8 +17,9 @@ from pathlib import Path
 import httpx
 
 START_TIMEOUT_S = 120.0
+ADMIN_KEY = "ops-tests-admin-key"  # the workers' /debug/kv, which the doctor reads
 TINY_WORKER = ("--max-model-len", "256", "--num-threads", "1", "--block-size", "16",
-               "--drain-timeout", "1")
+               "--drain-timeout", "1", "--admin-key", ADMIN_KEY)
 
 
 def free_port() -> int:
@@ -120,7 +121,8 @@ class Fleet:
     def gateway(self, workers: Sequence[Server], flags: Sequence[str] = (),
                 wait: bool = True) -> Server:
         """A gateway in front of `workers`, ready once it sees them all healthy (if `wait`)."""
-        argv = ["gateway", *(a for w in workers for a in ("--worker", w.url)), *flags]
+        argv = ["gateway", *(a for w in workers for a in ("--worker", w.url)),
+                "--trust-tenant-header", *flags]  # tenants named as a layer in front would
         server = Server("gateway", "kvserve.cli", argv, self.log_dir)
         server.num_workers = len(workers)
         self.servers.append(server)

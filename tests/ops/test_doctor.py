@@ -13,7 +13,7 @@ import pytest
 
 from kvserve.cli import main as kvserve_main
 from tests.ops.conftest import Servers
-from tests.ops.processes import wait_until
+from tests.ops.processes import ADMIN_KEY, wait_until
 
 NUM_TENANTS = 6
 PREFIX_LEN = 192  # 12 blocks of 16: six tenants need 72 blocks, a worker has 48
@@ -23,7 +23,7 @@ def run_doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str
     """`kvserve doctor ARGS` in this process (the CLI's own entry point, without paying for a
     second interpreter and torch import); returns the exit status and stdout."""
     capsys.readouterr()
-    code = kvserve_main(["doctor", *args])
+    code = kvserve_main(["doctor", *args, "--admin-key", ADMIN_KEY])
     return code, capsys.readouterr().out
 
 

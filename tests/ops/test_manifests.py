@@ -108,3 +108,31 @@ def test_dockerfile_runs_as_the_manifests_user() -> None:
     run_as = {str(container_doc["spec"]["template"]["spec"]["securityContext"]["runAsUser"])
               for container_doc in by_kind("StatefulSet") + by_kind("Deployment")}
     assert user and user[-1] not in ("root", "0") and run_as == {user[-1].split(":")[0]}
+
+
+def secret_env(doc: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+    """env name -> (secret key, optional) for a workload's secret-backed variables."""
+    return {e["name"]: (e["valueFrom"]["secretKeyRef"]["key"],
+                        e["valueFrom"]["secretKeyRef"].get("optional", False))
+            for e in container(doc).get("env", []) if "valueFrom" in e}
+
+
+def test_workers_take_salts_and_traffic_only_from_the_gateway() -> None:
+    (workers,) = by_kind("StatefulSet")
+    (gateway,) = by_kind("Deployment")
+    worker_env, gateway_env = secret_env(workers), secret_env(gateway)
+    # the same required secret on both sides: a worker without it would take anyone's salt
+    assert worker_env["KVSERVE_TRUSTED_SALT_KEY"] == gateway_env["KVSERVE_TRUSTED_SALT_KEY"]
+    assert worker_env["KVSERVE_TRUSTED_SALT_KEY"][1] is False
+    # replicas must share the salt secret, and say they are replicas so they refuse without it
+    assert gateway_env["KVSERVE_SALT_SECRET"][1] is False
+    assert f"--replicas={gateway['spec']['replicas']}" in container(gateway)["args"]
+    (policy,) = by_kind("NetworkPolicy")
+    worker_labels = workers["spec"]["template"]["metadata"]["labels"]
+    gateway_labels = gateway["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= worker_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    sources = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"]]
+    pods = [p["podSelector"]["matchLabels"] for p in sources if "podSelector" in p]
+    assert pods and all(p.items() <= gateway_labels.items() for p in pods)
+    assert all("podSelector" in p or "namespaceSelector" in p for p in sources)

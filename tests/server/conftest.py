@@ -9,7 +9,7 @@ import pytest
 
 from kvserve.model import write_random_checkpoint
 from tests.model.arch_configs import base_config
-from tests.server.harness import ServerProcess
+from tests.server.harness import ADMIN_KEY, ServerProcess
 
 API_KEY = "test-secret-key"
 
@@ -30,8 +30,10 @@ def start_server(checkpoint: Path,
     started: list[ServerProcess] = []
     work_dir = tmp_path_factory.mktemp("servers")
 
-    def start(flags: Sequence[str] = (), api_key: str | None = None) -> ServerProcess:
-        server = ServerProcess(checkpoint, work_dir, flags, api_key=api_key)
+    def start(flags: Sequence[str] = (), api_key: str | None = None,
+              admin_key: str | None = ADMIN_KEY) -> ServerProcess:
+        server = ServerProcess(checkpoint, work_dir, flags, api_key=api_key,
+                               admin_key=admin_key)
         started.append(server)
         server.wait_healthy()
         return server

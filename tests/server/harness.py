@@ -21,6 +21,7 @@ BASE_FLAGS = (
     "--idle-audit-interval-s", "0",
 )
 START_TIMEOUT_S = 60.0
+ADMIN_KEY = "server-tests-admin-key"  # every test server's admin routes (/debug/kv, /kv/*)
 
 
 def free_port() -> int:
@@ -34,7 +35,7 @@ class ServerProcess:
     """One `kvserve serve` subprocess; stdout and stderr go to `log_path`."""
 
     def __init__(self, model_dir: Path, work_dir: Path, flags: Sequence[str] = (),
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, admin_key: str | None = ADMIN_KEY) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -47,6 +48,8 @@ class ServerProcess:
                 "--host", "127.0.0.1", "--port", str(self.port), *BASE_FLAGS, *flags]
         if api_key is not None:
             argv += ["--api-key", api_key]
+        if admin_key is not None:
+            argv += ["--admin-key", admin_key]
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -96,7 +99,8 @@ class ServerProcess:
         return Metrics(response.text)
 
     def debug_kv(self) -> dict[str, object]:
-        response = httpx.get(f"{self.url}/debug/kv", headers=self.headers, timeout=10.0)
+        response = httpx.get(f"{self.url}/debug/kv", timeout=10.0,
+                             headers={"Authorization": f"Bearer {ADMIN_KEY}"})
         response.raise_for_status()
         return response.json()
 

@@ -24,6 +24,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from kvserve.bench.gateway_fleet import BENCH_SALT_SECRET
 from kvserve.bench.gateway_report import CaseRun
 from kvserve.bench.gateway_workload import GatewayRequest
 from kvserve.gateway.policies import RouteRequest
@@ -59,16 +60,16 @@ class FleetShape:
 
 class GatewayRouteKeys(RouteKeys):
     """The kvserve gateway's keys for the bench's text prompts, by request id (see the module
-    docstring); `tenancy` must be the measured gateways' (the default: salt secret "kvserve")."""
+    docstring); `tenancy` must be the measured gateways' (the default: the bench fleet's)."""
 
     def __init__(self, requests: Sequence[GatewayRequest], model: str, block_tokens: int,
                  tenancy: Tenancy | None = None) -> None:
         super().__init__(block_tokens)
-        tenancy = tenancy or Tenancy()
+        tenancy = tenancy or Tenancy(BENCH_SALT_SECRET, trust_header=True)
         self._keys = {
             r.request_id: route_request_for(
                 "/v1/completions", {"model": model, "prompt": r.prompt},
-                tenancy.resolve({tenancy.header: r.tenant})[1])
+                tenancy.resolve({tenancy.header: r.tenant}).salt)
             for r in requests}
 
     def route_request(self, request: TraceRequest, token_ids: Sequence[int]) -> RouteRequest:

@@ -98,6 +98,9 @@ def _check_gateway_flags(router: str, flags: Sequence[str]) -> None:
                          "see `kvserve gateway --help`")
 
 
+BENCH_SALT_SECRET = "kvserve-bench-salt-secret"  # local benchmark fleets only
+
+
 class KvserveGateway(ManagedProcess):
     """One `kvserve gateway` replica over `workers`."""
 
@@ -107,8 +110,11 @@ class KvserveGateway(ManagedProcess):
         self.policy, self.workers, self.extra_args = policy, list(workers), list(extra_args)
 
     def command(self) -> tuple[list[str], dict[str, str]]:
+        # The bench's clients name their tenant in X-Tenant-Id, as an authenticating proxy in
+        # front would; every replica salts alike, with a secret the calibration knows too.
         cmd = [sys.executable, "-m", "kvserve.cli", "gateway", "--host", "127.0.0.1",
-               "--port", str(self.port), "--policy", self.policy, *self.extra_args]
+               "--port", str(self.port), "--policy", self.policy, "--trust-tenant-header",
+               "--salt-secret", BENCH_SALT_SECRET, *self.extra_args]
         for url in self.workers:
             cmd += ["--worker", url]
         return cmd, dict(os.environ)

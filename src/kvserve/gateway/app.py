@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenizers import Tokenizer
@@ -42,7 +42,7 @@ from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
 from kvserve.gateway.retry_budget import RetryBudget
 from kvserve.gateway.scraper import Scraper
 from kvserve.gateway.seniority import Seniority
-from kvserve.gateway.tenancy import Tenancy
+from kvserve.gateway.tenancy import Tenancy, generated_secret, has_bearer
 from kvserve.gateway.text_capacity import TextCapacity
 from kvserve.gateway.token_keys import ExactKeys, workers_model_dir
 from kvserve.gateway.upstream_http import UpstreamClient
@@ -73,7 +73,10 @@ class GatewaySettings:
     learned_capacity: bool = True  # admission counts batches learned from scrapes too
     seniority: bool = True  # a resend queues in its first send's place (`seniority.py`)
     ttft_target_s: float | None = None  # a first byte later than this is late for that limit
-    tenancy: Tenancy = field(default_factory=Tenancy)
+    tenancy: Tenancy = field(default_factory=lambda: Tenancy(generated_secret()))
+    worker_api_key: str | None = None  # sent to workers when the gateway checks keys itself
+    trusted_salt_key: str | None = None  # sent with salted requests (X-KVServe-Salt-Key)
+    metrics_key: str | None = None  # guards this /metrics; sent to the workers' /metrics
     tokenizer: str | None = None  # the workers' tokenizer, for exact keys (`precise`)
     block_size: int = 16  # the workers' KV block size, for exact keys
     events_interval_s: float = 0.25  # `precise`: pause after a failed read of KV events
@@ -167,7 +170,8 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                       on_restart=policy.remove_worker,
                       on_capacity=capacity.worker_capacity if capacity is not None else None,
                       on_scraped=admission.refresh, foreign=foreign,
-                      on_shared=lambda shared: _on_shared(shared, policy, foreign))
+                      on_shared=lambda shared: _on_shared(shared, policy, foreign),
+                      metrics_key=settings.metrics_key)
     follower = (EventFollower(pool, policy, upstream_client, settings.events_interval_s,
                               settings.admin_key,
                               min_interval_s=settings.events_min_interval_s)
@@ -215,7 +219,11 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                              "healthy_workers": healthy, "workers": len(pool.workers)}, status)
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        if settings.metrics_key is not None and not has_bearer(request.headers,
+                                                                settings.metrics_key):
+            return _error(401, "/metrics needs the gateway's --metrics-key: send "
+                          "'Authorization: Bearer <key>'", "authentication_error")
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/workers")
@@ -244,6 +252,7 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
 
     proxy = ProxyEndpoint(forwarder, admission, metrics, settings.tenancy, keys, capacity,
                           settings.max_body_bytes, settings.ttft_target_s,
-                          Seniority() if settings.seniority else None)
+                          Seniority() if settings.seniority else None,
+                          settings.worker_api_key, settings.trusted_salt_key)
     return GatewayApp(proxy, app)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import secrets
 import signal
@@ -19,7 +20,9 @@ from kvserve.gateway.app import GatewaySettings, create_gateway
 from kvserve.gateway.kv_events import DEFAULT_MIN_POLL_INTERVAL_S
 from kvserve.gateway.policies import POLICY_NAMES, make_policy, parse_policy_options
 from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
-from kvserve.gateway.tenancy import Tenancy
+from kvserve.gateway.tenancy import Tenancy, generated_secret
+
+log = logging.getLogger(__name__)
 
 
 def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
@@ -65,9 +68,31 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                    help="a first byte later than S seconds is late, whatever the client said")
     p.add_argument("--retry-ratio", type=float, default=0.1,
                    help="retries may add at most this fraction of the request rate")
-    p.add_argument("--tenant-header", default="X-Tenant-Id")
+    p.add_argument("--tenant-header", default="X-Tenant-Id",
+                   help="the header --trust-tenant-header reads the tenant from")
+    p.add_argument("--trust-tenant-header", action="store_true",
+                   help="take the tenant from --tenant-header: only behind an authenticating "
+                        "layer that sets it and strips clients' own (docs/operations.md); "
+                        "otherwise a client could claim another tenant's cache")
+    p.add_argument("--api-keys-file", default=os.environ.get("KVSERVE_API_KEYS_FILE"),
+                   metavar="FILE", help="'TENANT KEY' lines: the gateway checks clients' API "
+                   "keys (401 otherwise) and the key decides the tenant (env "
+                   "KVSERVE_API_KEYS_FILE)")
+    p.add_argument("--worker-api-key", default=os.environ.get("KVSERVE_WORKER_API_KEY"),
+                   help="with --api-keys-file: the key sent to workers started with --api-key "
+                        "(clients' keys are never forwarded then; env KVSERVE_WORKER_API_KEY)")
     p.add_argument("--share-group", action="append", default=[], metavar="TENANT=GROUP",
                    help="tenants in one group share prefix blocks (repeatable)")
+    p.add_argument("--salt-secret", default=os.environ.get("KVSERVE_SALT_SECRET"),
+                   help="keys tenants' cache salts (env KVSERVE_SALT_SECRET; >= 16 characters). "
+                        "Without it one gateway makes a random one (salts change on restart); "
+                        "--replicas > 1 needs the same secret on every replica")
+    p.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="gateway replicas routing to these workers (> 1 needs --salt-secret)")
+    p.add_argument("--trusted-salt-key", default=os.environ.get("KVSERVE_TRUSTED_SALT_KEY"),
+                   help="sent with every salted request as X-KVServe-Salt-Key, for workers "
+                        "started with the same --trusted-salt-key (env "
+                        "KVSERVE_TRUSTED_SALT_KEY)")
     p.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="the workers' model directory (or tokenizer.json): exact token keys for "
                         "--policy precise (default: the first worker's /v1/models root, when "
@@ -78,8 +103,32 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                    "of one worker's KV events (each read costs the worker CPU)")
     p.add_argument("--admin-key", default=os.environ.get("KVSERVE_ADMIN_KEY"),
                    help="key for the workers' /kv/events (env KVSERVE_ADMIN_KEY)")
-    p.add_argument("--salt-secret", default=os.environ.get("KVSERVE_SALT_SECRET", "kvserve"),
-                   help="mixed into tenant salts (env KVSERVE_SALT_SECRET)")
+    p.add_argument("--metrics-key", default=os.environ.get("KVSERVE_METRICS_KEY"),
+                   help="required on this gateway's /metrics and sent to the workers' (start "
+                        "them with the same --metrics-key; env KVSERVE_METRICS_KEY)")
+
+
+def tenancy_from(args: argparse.Namespace) -> Tenancy:
+    """The tenancy the flags ask for; a gateway given no salt secret makes one (and says so)
+    unless it is one of several replicas, which must agree. Raises ValueError saying what to
+    fix."""
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    secret = args.salt_secret
+    if secret is None:
+        if args.replicas > 1:
+            raise ValueError(f"--replicas {args.replicas}: every replica must salt a tenant "
+                             "alike, so give them one --salt-secret (or KVSERVE_SALT_SECRET), "
+                             "e.g. from `openssl rand -hex 32`")
+        secret = generated_secret()
+        log.warning("kvserve gateway: no --salt-secret given; using a random one, so tenants' "
+                    "salts (and cached prefixes) start anew when this gateway restarts")
+    if args.worker_api_key and not args.api_keys_file:
+        raise ValueError("--worker-api-key replaces clients' keys, which the gateway checks "
+                         "only with --api-keys-file: give both, or neither (clients' keys are "
+                         "then forwarded to the workers)")
+    return Tenancy.from_options(secret, args.share_group, args.api_keys_file,
+                                args.trust_tenant_header, args.tenant_header)
 
 
 def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] | None = None,
@@ -106,7 +155,8 @@ def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] |
         latency_limit=args.latency_limit, ttft_target_s=args.ttft_target,
         seniority=args.seniority,
         learned_capacity=args.learned_capacity,
-        tenancy=Tenancy.from_specs(args.share_group, args.tenant_header, args.salt_secret),
+        tenancy=tenancy_from(args), worker_api_key=args.worker_api_key,
+        trusted_salt_key=args.trusted_salt_key, metrics_key=args.metrics_key,
         tokenizer=args.tokenizer, block_size=args.block_size, admin_key=args.admin_key,
         events_min_interval_s=args.kv_events_min_interval,
     )
@@ -197,8 +247,16 @@ def run_up(args: argparse.Namespace) -> int:
     args.policy_option = one_gateway_policy_options(args.policy, args.policy_option)
     roles = (["prefill"] * args.prefill_workers + ["decode"] * args.decode_workers
              if disaggregated else ["both"] * args.workers)
-    if disaggregated and not args.admin_key:
-        args.admin_key = secrets.token_hex(16)  # shared by these workers and the gateway only
+    # Keys shared by these workers and this gateway only, handed over in the environment (not
+    # argv, which every local user can read): the admin key for KV transfers and KV events,
+    # the salt key so that only this gateway's salts reach the workers' caches.
+    if (disaggregated or args.policy == "precise") and not args.admin_key:
+        args.admin_key = secrets.token_hex(16)
+    if not args.trusted_salt_key:
+        args.trusted_salt_key = secrets.token_hex(16)
+    worker_env = dict(os.environ, KVSERVE_TRUSTED_SALT_KEY=args.trusted_salt_key)
+    if args.admin_key:
+        worker_env["KVSERVE_ADMIN_KEY"] = args.admin_key
     ports = [free_port() for _ in roles]
     threads = max(1, (os.cpu_count() or 1) // len(roles))
     # SIGTERM (systemd, Kubernetes, `kill`) must stop the workers too. uvicorn shuts down on it
@@ -209,13 +267,11 @@ def run_up(args: argparse.Namespace) -> int:
     for port, role in zip(ports, roles, strict=True):
         cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port),
                "--num-threads", str(threads), "--role", role, *args.worker_arg]
-        if role != "both":
-            cmd += ["--admin-key", args.admin_key]
         if role == "decode":
             cmd += ["--kv-host-tier-bytes", str(args.decode_host_tier_bytes)]
         if args.model:
             cmd += ["--model", args.model]
-        procs.append(subprocess.Popen(cmd))
+        procs.append(subprocess.Popen(cmd, env=worker_env))
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     by_role = {r: [u for u, ur in zip(urls, roles, strict=True) if ur == r]
                for r in ("both", "prefill", "decode")}
@@ -228,7 +284,7 @@ def run_up(args: argparse.Namespace) -> int:
         console.print(f"[green]kvserve up[/]: gateway ({args.policy}) at [bold]{gateway_url}"
                       f"[/] → {', '.join(urls)}", soft_wrap=True)
         console.print(f"try: curl {gateway_url}/v1/completions -H 'Content-Type: "
-                      "application/json' -H 'X-Tenant-Id: team-a' -d '{\"prompt\": \"Hello\", "
+                      "application/json' -d '{\"prompt\": \"Hello\", "
                       "\"max_tokens\": 16}'", soft_wrap=True, highlight=False)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     except RuntimeError as exc:

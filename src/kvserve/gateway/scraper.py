@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from kvserve.gateway.foreign_load import ForeignLoad
@@ -122,10 +122,11 @@ def apply_metrics(worker: WorkerState, text: str) -> bool:
     return restarted
 
 
-async def _get(client: UpstreamClient, url: str) -> tuple[int, bytes]:
+async def _get(client: UpstreamClient, url: str,
+               headers: Mapping[str, str] | None = None) -> tuple[int, bytes]:
     """Status and body of a GET, both within SCRAPE_TIMEOUT_S."""
     async with asyncio.timeout(SCRAPE_TIMEOUT_S):
-        response = await client.get(url, {}, SCRAPE_TIMEOUT_S)
+        response = await client.get(url, headers or {}, SCRAPE_TIMEOUT_S)
         return response.status_code, await response.aread()
 
 
@@ -143,7 +144,10 @@ class Scraper(Periodic):
                  on_capacity: Callable[[str, int], None] | None = None,
                  on_scraped: Callable[[], None] | None = None,
                  foreign: ForeignLoad | None = None,
-                 on_shared: Callable[[bool], None] | None = None):
+                 on_shared: Callable[[bool], None] | None = None,
+                 metrics_key: str | None = None):
+        # workers started with --metrics-key answer /metrics only with it
+        self.metrics_headers = {"authorization": f"Bearer {metrics_key}"} if metrics_key else {}
         self.foreign = foreign if foreign is not None else ForeignLoad()
         self.on_shared = on_shared
         # worker -> its last answered scrape, and its abandoned count at the one before
@@ -175,7 +179,8 @@ class Scraper(Periodic):
             if not ok:
                 return
             sent = _Scrape(worker.in_flight, worker.dispatched, worker.abandoned)
-            status, body = await _get(self.client, f"{worker.url}/metrics")
+            status, body = await _get(self.client, f"{worker.url}/metrics",
+                                      self.metrics_headers)
         except TimeoutError:
             self.pool.record_health(worker.url, False, now,
                                     f"ReadTimeout: no answer in {SCRAPE_TIMEOUT_S}s")

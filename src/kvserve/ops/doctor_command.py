@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
                    help="key for workers' /v1 routes (env KVSERVE_API_KEY)")
     p.add_argument("--admin-key", default=os.environ.get("KVSERVE_ADMIN_KEY"),
-                   help="key for workers' /debug/kv (env KVSERVE_ADMIN_KEY; default: API key)")
+                   help="the workers' --admin-key, for their /debug/kv (env KVSERVE_ADMIN_KEY)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds per HTTP request")
     p.set_defaults(func=run)
 

@@ -175,7 +175,7 @@ class Reader:
         kind = metrics.kind()
         debug_kv = debug_error = models = workers = None
         if kind is Kind.KVSERVE_WORKER:
-            debug_kv, debug_error = self._json(f"{url}/debug/kv", self.admin_key or self.api_key)
+            debug_kv, debug_error = self._json(f"{url}/debug/kv", self.admin_key)
         if kind.is_worker:
             models, _ = self._json(f"{url}/v1/models", self.api_key)
         if kind is Kind.GATEWAY:

@@ -155,13 +155,16 @@ class LLMEngine:
         arrival_time: float | None = None,
         kv_import: bool = False,
         on_finish: Callable[[RequestOutput], None] | None = None,
+        max_tokens_within_context: bool = False,
     ) -> None:
         """Queue a request. Raises ValueError (nothing queued) for an empty or too-long prompt,
         token ids outside the vocabulary, or a request id already in use. `kv_import`: the
         request takes over the open KV import of the same id (kvserve.kvcache.imports; n = 1
         only). `on_finish(output)` runs on the engine thread with the final output.
         `deadline` / `first_token_deadline` (engine clock): the request ends with TIMEOUT when
-        it is not done / has no output token by then."""
+        it is not done / has no output token by then. `max_tokens_within_context`: refuse (as
+        vLLM's server does) a prompt plus max_tokens beyond max_model_len, instead of ending
+        the output at the context."""
         params = params or SamplingParams()
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -171,6 +174,14 @@ class LLMEngine:
                              "be 1 and the worker needs a host tier)")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt)
+        if (max_tokens_within_context and params.max_tokens is not None
+                and len(token_ids) < self.max_model_len  # else: the prompt's own error
+                and len(token_ids) + params.max_tokens > self.max_model_len):
+            raise ValueError(
+                f"'max_tokens' is too large: {params.max_tokens}. This model's maximum context "
+                f"length is {self.max_model_len} tokens and your request has {len(token_ids)} "
+                f"input tokens ({params.max_tokens} > {self.max_model_len} - {len(token_ids)}); "
+                "lower max_tokens or shorten the prompt")
         arrival = self.clock() if arrival_time is None else arrival_time
         children = [
             Request(

@@ -23,19 +23,27 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.serving import SSE_DONE, Call, Serving, sse, unless_client_leaves
 from kvserve.server.settings import ServerSettings, WorkerRole
+from kvserve.server.trust import SaltTrust
 
 PREFILL_URL_HEADER = "x-kvserve-prefill-url"
 ADMIN_KEY_HEADER = "x-kvserve-admin-key"
 
 
-def _check_key(request: Request, expected: str | None) -> None:
+def _check_key(request: Request, expected: str | None, what: str = "API key") -> None:
     if expected is None:
         return
     header = request.headers.get("authorization", "")
     given = header[7:] if header.lower().startswith("bearer ") else ""
     if not hmac.compare_digest(given.encode(), expected.encode()):
-        raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+        raise APIError(401, f"missing or wrong {what}: send 'Authorization: Bearer <key>'",
                        err_type="authentication_error")
+
+
+def _check_stops(body: CompletionRequest | ChatCompletionRequest,
+                 settings: ServerSettings) -> None:
+    error = body.stop_limits_error(settings.max_stop_sequences, settings.max_stop_chars)
+    if error is not None:
+        raise APIError(400, error, param="stop")
 
 
 MAX_EVENTS_WAIT_S = 30.0
@@ -48,10 +56,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     tokenizer = engine.engine.tokenizer
     metrics = ServerMetrics(engine, model_name)
     role = settings.role
-    admin_key = settings.admin_key or settings.api_key
+    admin_key = settings.admin_key  # never the API key: tenants hold that one
+    trust = SaltTrust(settings.trusted_salt_key, settings.untrusted_salt, metrics.registry)
     puller = (KVPuller(engine, metrics.transfer, admin_key, settings.kv_transfer_timeout_s)
               if role is WorkerRole.DECODE else None)
-    serving = Serving(engine, model_name, metrics, settings, puller)
+    serving = Serving(engine, model_name, metrics, settings, trust, puller)
     prefill = PrefillService(engine, metrics.transfer) if role is WorkerRole.PREFILL else None
 
     waiters: list[EventWaiters] = []  # set by the lifespan, on the serving loop
@@ -68,7 +77,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         if puller is not None:
             await puller.close()
 
-    app = FastAPI(title="kvserve", lifespan=lifespan)
+    docs = settings.enable_api_docs  # the route list is nobody's business by default
+    app = FastAPI(title="kvserve", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(EchoRequestId)
     install_error_handlers(app)
@@ -77,7 +89,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         _check_key(request, settings.api_key)
 
     def require_admin_key(request: Request) -> None:
-        _check_key(request, admin_key)
+        if admin_key is None:
+            raise APIError(404, f"{request.url.path} exists only on a worker started with "
+                           "--admin-key (or KVSERVE_ADMIN_KEY)", err_type="not_found_error")
+        _check_key(request, admin_key, "admin key")
 
     def pull_source(raw: Request) -> str | None:
         """The prefill worker the gateway named for this request, or None. Honoured only on a
@@ -113,7 +128,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         return await prefill.respond(body, raw)
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(raw: Request) -> Response:
+        _check_key(raw, settings.metrics_key, "metrics key (--metrics-key)")
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
@@ -153,18 +169,19 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
                            param="echo")
         if body.best_of not in (None, body.n):
             raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
+        _check_stops(body, settings)
         params = body.sampling_params(body.max_tokens, body.logprobs)
         prompts = body.prompts()
         pull_from = pull_source(raw)
         call = serving.begin(raw, body.model, body.cache_salt)
+        cache_salt = call.cache_salt
         fmt = CompletionFormatter(tokenizer, call.request_id, call.created, model_name,
                                   params.n, body.logprobs is not None)
         if not body.stream:
-            outputs = await serving.collect(raw, call, prompts, params, body.cache_salt,
-                                            pull_from)
+            outputs = await serving.collect(raw, call, prompts, params, cache_salt, pull_from)
             return JSONResponse(fmt.whole(outputs))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = serving.stream(call, prompts, params, body.cache_salt, pull_from)
+        events = serving.stream(call, prompts, params, cache_salt, pull_from)
         first = await _first_or_error(events, raw, call)
 
         async def body_stream() -> AsyncIterator[str]:
@@ -184,6 +201,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
 
     @app.post("/v1/chat/completions", dependencies=[Depends(require_api_key)])
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
+        _check_stops(body, settings)
         want_logprobs = body.logprobs
         params = body.sampling_params(body.effective_max_tokens,
                                       (body.top_logprobs or 0) if want_logprobs else None)
@@ -192,13 +210,14 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
                                        tools=body.tools)
         pull_from = pull_source(raw)
         call = serving.begin(raw, body.model, body.cache_salt)
+        cache_salt = call.cache_salt
         fmt = ChatFormatter(tokenizer, call.request_id, call.created, model_name, want_logprobs)
         if not body.stream:
-            (output,) = await serving.collect(raw, call, [prompt], params, body.cache_salt,
+            (output,) = await serving.collect(raw, call, [prompt], params, cache_salt,
                                               pull_from)
             return JSONResponse(fmt.whole(output))
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        events = serving.stream(call, [prompt], params, body.cache_salt, pull_from)
+        events = serving.stream(call, [prompt], params, cache_salt, pull_from)
         first = await _first_or_error(events, raw, call)
 
         async def body_stream() -> AsyncIterator[str]:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from kvserve.server.settings import ServerSettings, WorkerRole
+from kvserve.server.settings import ServerSettings, UntrustedSalt, WorkerRole
 
 if TYPE_CHECKING:  # torch and the engine load only for `serve` itself, not for every command
     from kvserve.runtime import EngineArgs
@@ -79,7 +79,27 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
                    help="require this key on /v1 routes (env KVSERVE_API_KEY)")
     p.add_argument("--admin-key", default=os.environ.get("KVSERVE_ADMIN_KEY"),
-                   help="key for /debug routes (default: the API key)")
+                   help="key for the admin routes /debug/kv, /kv/events and /kv/prefill, "
+                        "which exist only with it (env KVSERVE_ADMIN_KEY; never the API key)")
+    p.add_argument("--trusted-salt-key", default=os.environ.get("KVSERVE_TRUSTED_SALT_KEY"),
+                   help="take cache_salt and X-Tenant-Id only from callers that send this key "
+                        "in X-KVServe-Salt-Key: the gateway's --trusted-salt-key (env "
+                        "KVSERVE_TRUSTED_SALT_KEY; default: from anyone, as vLLM)")
+    p.add_argument("--untrusted-salt", choices=[u.value for u in UntrustedSalt],
+                   default=UntrustedSalt.REFUSE.value,
+                   help="with --trusted-salt-key: refuse (403) a salt from anyone else, or "
+                        "strip it and serve the request unsalted")
+    p.add_argument("--metrics-key", default=os.environ.get("KVSERVE_METRICS_KEY"),
+                   help="require this bearer key on /metrics (env KVSERVE_METRICS_KEY)")
+    p.add_argument("--tenant-metric-labels", action="store_true",
+                   help="label per-tenant metrics with the tenant the gateway names (trusted "
+                        "only with --trusted-salt-key) instead of a hash of its salt")
+    p.add_argument("--enable-api-docs", action="store_true",
+                   help="serve /docs, /redoc and /openapi.json (off: they list every route)")
+    p.add_argument("--max-stop-sequences", type=int, default=16,
+                   help="most 'stop' sequences a request may give")
+    p.add_argument("--max-stop-chars", type=int, default=1024,
+                   help="longest 'stop' sequence a request may give, in characters")
     p.add_argument("--max-waiting-requests", type=int, default=256,
                    help="queued requests beyond which new ones get 429 + Retry-After")
     p.add_argument("--request-timeout", type=float, default=600.0,
@@ -94,6 +114,18 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--kv-transfer-timeout", type=float, default=60.0,
                    help="seconds one KV pull from a prefill worker may take (decode role)")
     p.set_defaults(func=run)
+
+
+def check_security(args: argparse.Namespace) -> None:
+    """Refuse flags that contradict each other or leave nothing allowed (ValueError)."""
+    if args.untrusted_salt != UntrustedSalt.REFUSE.value and not args.trusted_salt_key:
+        raise ValueError("--untrusted-salt says what to do with salts sent without the "
+                         "--trusted-salt-key; give --trusted-salt-key too")
+    if args.admin_key is not None and args.admin_key == args.api_key:
+        raise ValueError("--admin-key must differ from --api-key: every client holds the API "
+                         "key, and the admin routes show every tenant's requests")
+    if args.max_stop_sequences < 0 or args.max_stop_chars < 1:
+        raise ValueError("--max-stop-sequences must be >= 0 and --max-stop-chars >= 1")
 
 
 def check_role(args: argparse.Namespace) -> None:
@@ -123,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     try:
+        check_security(args)
         check_role(args)
         engine_args = engine_args_from(args)
         with console.status(f"loading {args.model or 'the built-in demo model'} …"):
@@ -135,6 +168,10 @@ def run(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         request_timeout_s=args.request_timeout or None, drain_timeout_s=args.drain_timeout,
         role=WorkerRole(args.role), kv_transfer_timeout_s=args.kv_transfer_timeout,
+        trusted_salt_key=args.trusted_salt_key, untrusted_salt=UntrustedSalt(args.untrusted_salt),
+        metrics_key=args.metrics_key, tenant_metric_labels=args.tenant_metric_labels,
+        enable_api_docs=args.enable_api_docs, max_stop_sequences=args.max_stop_sequences,
+        max_stop_chars=args.max_stop_chars,
     )
     app = create_app(AsyncEngine(engine), settings)
     # This process serves one engine for its whole life: freeze what start-up built (the block

@@ -82,10 +82,20 @@ class _SamplingFields(BaseModel):
     def _stop_list(cls, value: str | list[str] | None) -> list[str]:
         if value is None:
             return []
-        stops = [value] if isinstance(value, str) else value
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop sequences are allowed")
-        return stops
+        return [value] if isinstance(value, str) else value
+
+    def stop_limits_error(self, max_sequences: int, max_chars: int) -> str | None:
+        """Why the stop sequences exceed the operator's limits (every generated token is
+        matched against each one), or None when they do not."""
+        stops = self.stop or []
+        if len(stops) > max_sequences:
+            return (f"'stop' has {len(stops)} sequences; this server allows at most "
+                    f"{max_sequences} (--max-stop-sequences)")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > max_chars:
+            return (f"a 'stop' sequence is {longest} characters long; this server allows at "
+                    f"most {max_chars} (--max-stop-chars)")
+        return None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the parameter when a value is out of range."""
@@ -150,6 +160,14 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
+
+    @model_validator(mode="after")
+    def _content_where_required(self) -> ChatMessage:
+        # OpenAI requires content on every role but the assistant's (which may carry only
+        # tool calls); a template would otherwise render an empty turn.
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role!r} message needs 'content'")
+        return self
 
     def as_template_message(self) -> dict[str, Any]:
         """The message as chat templates expect it: content flattened to a string (the rule the

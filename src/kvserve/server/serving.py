@@ -28,6 +28,7 @@ from kvserve.server.errors import APIError
 from kvserve.server.kv_pull import KVPuller, KVTransferFailed
 from kvserve.server.metrics import ServerMetrics, tenant_label
 from kvserve.server.settings import ServerSettings
+from kvserve.server.trust import SaltTrust
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +41,7 @@ class Call:
     created: int
     timeout_s: float | None = None
     response_deadline: float | None = None
+    cache_salt: str | None = None  # the salt this worker accepted (kvserve.server.trust)
 
     def check_timed_out(self, outputs: Sequence[RequestOutput]) -> None:
         """Raise APIError 504 when the client's deadline ended every sample before a token."""
@@ -68,8 +70,10 @@ class Serving:
         model_name: str,
         metrics: ServerMetrics,
         settings: ServerSettings,
+        trust: SaltTrust,
         puller: KVPuller | None = None,
     ) -> None:
+        self.trust = trust
         self.engine = engine
         self.puller = puller  # decode role: pulls prompt KV from a prefill worker
         self.model_name = model_name
@@ -80,7 +84,8 @@ class Serving:
         self.capacity = scheduler_config.max_num_seqs + settings.max_waiting_requests
 
     def begin(self, raw: Request, model: str | None, cache_salt: str | None) -> Call:
-        """Check the model name and the engine; raises APIError (404/503) otherwise.
+        """Check the model name, the engine and who may salt (`SaltTrust`); raises APIError
+        (404/503/403) otherwise.
         Admission (429) is decided when the request's stream starts."""
         if model is not None and model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
@@ -94,9 +99,12 @@ class Serving:
             raise APIError(400, str(exc)) from None
         header_id = raw.headers.get("x-request-id")
         request_id = header_id or uuid.uuid4().hex
-        tenant = tenant_label(raw.headers.get("x-tenant-id"), cache_salt)
+        accepted = self.trust.accept(raw.headers, cache_salt)
+        named = accepted.tenant if self.settings.tenant_metric_labels else None
+        tenant = tenant_label(named, accepted.cache_salt)
         return Call(request_id, tenant, int(time.time()), timeout_s,
-                    None if timeout_s is None else time.monotonic() + timeout_s)
+                    None if timeout_s is None else time.monotonic() + timeout_s,
+                    accepted.cache_salt)
 
     async def stream(
         self,
@@ -147,7 +155,8 @@ class Serving:
                 async for output in self.engine.generate(engine_id, prompt, params,
                                                          cache_salt=cache_salt,
                                                          deadline=deadline, kv_import=pull,
-                                                         first_token_deadline=first_token_deadline):
+                                                         first_token_deadline=first_token_deadline,
+                                                         max_tokens_within_context=True):
                     now = time.monotonic()
                     if last is not None and any(c.new_token_ids for c in output.outputs):
                         self.metrics.observe_token_gap(now - last)

@@ -19,13 +19,26 @@ class WorkerRole(enum.StrEnum):
     DECODE = "decode"
 
 
+class UntrustedSalt(enum.StrEnum):
+    """What a worker with a trusted salt key does with a salt from anyone else
+    (kvserve.server.trust)."""
+
+    REFUSE = "refuse"  # 403
+    STRIP = "strip"  # served unsalted
+
+
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     """`max_waiting_requests`: admitted-but-not-running requests beyond which new ones get 429.
     `request_timeout_s`: a server deadline per request (None: none). `api_key`: required on
-    /v1 routes when set; `admin_key` (default: `api_key`) guards /debug routes and the KV
-    transfer between workers. `role`: see `WorkerRole`; `kv_transfer_timeout_s` bounds one
-    KV pull (connect, prefill and every read)."""
+    /v1 routes when set; `admin_key` guards the admin routes (/debug/kv, /kv/events,
+    /kv/prefill; they do not exist without it) and the KV transfer between workers. `role`:
+    see `WorkerRole`; `kv_transfer_timeout_s` bounds one KV pull (connect, prefill and every
+    read). `trusted_salt_key` /
+    `untrusted_salt`: who may send a cache salt (kvserve.server.trust). `metrics_key`: required
+    on /metrics when set. `tenant_metric_labels`: label per-tenant metrics by the gateway-named
+    tenant rather than a hash of the salt. `enable_api_docs`: serve /docs, /redoc and
+    /openapi.json. `max_stop_sequences` / `max_stop_chars`: limits on a request's `stop`."""
 
     api_key: str | None = None
     admin_key: str | None = None
@@ -36,3 +49,10 @@ class ServerSettings:
     retry_after_s: int = 1
     role: WorkerRole = WorkerRole.BOTH
     kv_transfer_timeout_s: float = 60.0
+    trusted_salt_key: str | None = None
+    untrusted_salt: UntrustedSalt = UntrustedSalt.REFUSE
+    metrics_key: str | None = None
+    tenant_metric_labels: bool = False
+    enable_api_docs: bool = False
+    max_stop_sequences: int = 16
+    max_stop_chars: int = 1024
