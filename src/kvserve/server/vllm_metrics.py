@@ -29,11 +29,9 @@ REQUEST_TIME_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0
                         50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 N_BUCKETS = (1, 2, 5, 10, 20)
 PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
-# vLLM's finish reasons, all exported from the start; kvserve's TIMEOUT is counted as "abort"
+# vLLM's finish reasons, all exported from the start (kvserve's are their OpenAI names, a
+# subset: a timeout is "abort")
 FINISHED_REASONS = ("stop", "length", "abort", "error", "repetition")
-REASON_OF = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
-             FinishReason.ABORT: "abort", FinishReason.TIMEOUT: "abort",
-             FinishReason.ERROR: "error"}
 
 
 def token_buckets(max_model_len: int) -> tuple[int, ...]:
@@ -256,4 +254,4 @@ class VLLMRequestMetrics:
         self.by_source.labels(*m, "local_cache_hit").inc(cached)
         for completion in output.outputs:
             reason = completion.finish_reason or FinishReason.ABORT
-            self.success.labels(*m, REASON_OF[reason]).inc()
+            self.success.labels(*m, reason.openai_name).inc()
