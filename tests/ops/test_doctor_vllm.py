@@ -124,3 +124,23 @@ def test_every_recording_pair_diagnoses_without_error() -> None:
             report = diagnose([observe(recorded(first), recorded(second))])
             rendered(report)
             assert report.to_dict()["targets"][0]["kind"] == Kind.VLLM_WORKER.value
+
+
+def test_admission_rejections_are_saturation_counted_once() -> None:
+    line = 'vllm:admission_rejections_total{model_name="tiny-llama",reason="max_num_queued_reqs"}'
+    before = recorded("after")
+    after = before.replace(f"{line} 0.0", f"{line} 5.0")
+    assert after != before
+    (finding,) = [f for f in diagnose([observe(before, after)]).findings
+                  if f.problem is Problem.SATURATION]
+    assert finding.evidence == ("refused 5 requests (429) in 5.0s",)
+    # a kvserve worker counts each 429 in its own counter too: once, not twice
+    kvserve = 'kvserve:kv_held_blocks{model_name="m"} 0\n'
+    first = Metrics.from_text(kvserve + 'kvserve:requests_rejected_total{cause="queue_full"} 0\n'
+                              + before)
+    second = Metrics.from_text(kvserve + 'kvserve:requests_rejected_total{cause="queue_full"} 5\n'
+                               + after)
+    report = diagnose([Observation(URL, Snapshot(URL, 0.0, first, 200),
+                                   Snapshot(URL, 5.0, second, 200))])
+    (finding,) = [f for f in report.findings if f.problem is Problem.SATURATION]
+    assert finding.evidence == ("refused 5 requests (429) in 5.0s",)

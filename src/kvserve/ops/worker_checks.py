@@ -245,8 +245,10 @@ def check_saturation(obs: Observation) -> list[Finding]:
         evidence.append(f"KV cache {usage(a):.0%} then {usage(b):.0%} used with {wait_a:.0f} "
                         f"then {wait_b:.0f} requests waiting{why}: the KV cache, not "
                         "compute, limits the batch")
-    rejected = (delta(obs, "kvserve:requests_rejected_total")
-                + delta(obs, "vllm:admission_rejections_total"))
+    # a kvserve worker counts each 429 in both; vLLM only in its own
+    rejected = delta(obs, "kvserve:requests_rejected_total"
+                     if b.has("kvserve:requests_rejected_total")
+                     else "vllm:admission_rejections_total")
     if rejected > 0:
         evidence.append(f"refused {rejected:.0f} requests (429) in {dt:.1f}s")
     preempted = delta(obs, "vllm:num_preemptions_total")
