@@ -237,3 +237,29 @@ def test_drains_run_the_idle_check_and_the_full_audit_at_most_once_per_interval(
 def test_idle_audit_interval_must_not_be_negative():
     with pytest.raises(ValueError, match="idle_audit_interval_s"):
         SchedulerConfig(idle_audit_interval_s=-1)
+
+
+def test_deltas_carry_first_scheduled_time_and_preemptions():
+    """What vLLM's request phase histograms need: when a request first ran (not when a
+    preempted one ran again) and how often it was preempted."""
+    rig = make_rig(num_blocks=6, block_size=4, budget=64, max_num_seqs=1)
+    start = rig.clock.now
+    for start_token, rid in ((1, "first"), (20, "second")):
+        prompt = list(range(start_token, start_token + 7))
+        rig.core.add_request(request(rid, prompt, SamplingParams(max_tokens=4, temperature=0)))
+    rig.drain()
+    first, second = rig.finished["first"], rig.finished["second"]
+    assert first.scheduled_time == start  # admitted by the first step
+    assert second.scheduled_time is not None and second.scheduled_time > start  # it waited
+    assert first.num_preemptions == second.num_preemptions == 0
+    assert_clean(rig)
+    # preempted requests keep the time they first ran
+    rig = make_rig(num_blocks=6, block_size=4, budget=64)
+    for start_token, rid in ((1, "old"), (20, "new")):
+        prompt = list(range(start_token, start_token + 7))
+        rig.core.add_request(request(rid, prompt, SamplingParams(max_tokens=8, temperature=0)))
+    admitted = rig.clock.now
+    rig.drain()
+    assert rig.core.scheduler.num_preemptions >= 1
+    assert rig.finished["new"].num_preemptions >= 1
+    assert rig.finished["new"].scheduled_time == admitted

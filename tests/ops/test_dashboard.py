@@ -1,6 +1,7 @@
 """The Grafana dashboard imports (valid JSON, a Prometheus datasource variable, a query in every
-panel), and every metric it or the alert rules read is one that a live worker or gateway
-exports, checked against their real /metrics."""
+panel), every metric it or the alert rules read is one that a live worker or gateway exports,
+checked against their real /metrics, and it works on a fleet of plain vLLM workers (checked
+against vLLM 0.32's recorded /metrics): what needs kvserve workers says so in its title."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "kvserve.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 PROMETHEUS_OWN = {"up", "ALERTS", "ALERTS_FOR_STATE"}  # made by Prometheus, not by a target
+VLLM_METRICS = Path(__file__).resolve().parents[1] / "data" / "vllm_metrics" / "burst.prom"
+KVSERVE_ONLY = "(kvserve workers only)"
 
 
 def dashboard() -> dict[str, Any]:
@@ -102,3 +105,28 @@ def test_alert_rules_read_only_exported_metrics(exported: set[str]) -> None:
     unknown = {r.get("alert") or r["record"]: sorted(bad) for r in rules
                if (bad := metric_names(r["expr"]) - exported - recorded - PROMETHEUS_OWN)}
     assert not unknown, f"rules name metrics nobody exports: {unknown}"
+
+
+def test_dashboard_works_on_a_vllm_only_fleet() -> None:
+    """A worker panel works on vLLM workers when its first query reads only what vLLM exports;
+    every other worker panel says in its title that it needs kvserve workers. Gateway panels
+    read the gateway's own series, whatever it fronts."""
+    vllm = exported_names(VLLM_METRICS.read_text())
+    board = dashboard()
+    for var in board["templating"]["list"]:
+        if var["name"] == "instance":
+            assert dashboard_queries(board)["variable instance"] <= vllm
+    works, needs_kvserve = [], []
+    for panel in panels(board):
+        names = [metric_names(t["expr"]) for t in sorted(panel["targets"],
+                                                         key=lambda t: t["refId"])]
+        if all(n.startswith("kvserve:gateway_") for ns in names for n in ns):
+            continue
+        (works if names[0] <= vllm else needs_kvserve).append(panel["title"])
+    assert not [t for t in works if KVSERVE_ONLY in t], "works on vLLM, yet says kvserve only"
+    assert not [t for t in needs_kvserve if KVSERVE_ONLY not in t], \
+        f"need kvserve metrics but do not say so: {needs_kvserve}"
+    for title in ("KV usage while idle (leak signature)", "Queue depth", "KV cache usage",
+                  "Prefix cache hit rate per worker", "Rejected requests (per second)",
+                  "Request phases p90: queue, prefill, decode", "Requests waiting by reason"):
+        assert title in works, title

@@ -49,6 +49,8 @@ class RequestDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    scheduled_time: float | None = None  # when the request first ran (engine clock)
+    num_preemptions: int = 0
 
 
 class EngineCore:
@@ -121,7 +123,9 @@ class EngineCore:
         new_logprobs = (token.logprob,) if token.logprob is not None else ()
         if reason is None:
             return RequestDelta(request.request_id, (token.token_id,), text, new_logprobs, False,
-                                None, request.num_prompt_tokens, request.num_cached_tokens)
+                                None, request.num_prompt_tokens, request.num_cached_tokens,
+                                scheduled_time=request.scheduled_time,
+                                num_preemptions=request.num_preemptions)
         self.scheduler.finish(request, reason)
         return self._final_delta(request, (token.token_id,), new_logprobs, text)
 
@@ -156,7 +160,8 @@ class EngineCore:
             text += detok.flush()
         return RequestDelta(request.request_id, token_ids, text, logprobs, True,
                             request.finish_reason, request.num_prompt_tokens,
-                            max(request.num_cached_tokens, 0), request.error)
+                            max(request.num_cached_tokens, 0), request.error,
+                            request.scheduled_time, request.num_preemptions)
 
     def _release_finished(self, deltas: list[RequestDelta]) -> None:
         finished = [d.request_id for d in deltas if d.finished]

@@ -76,6 +76,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     first_token_time: float | None = None
+    scheduled_time: float | None = None  # first admitted to the running batch (engine clock)
     _all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

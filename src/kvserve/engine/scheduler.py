@@ -95,6 +95,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_preemptions = 0  # of those, by swapping (the rest recompute)
         self.num_scheduled_tokens = 0  # tokens whose KV the steps computed (recomputes too)
+        self._now = 0.0  # the current step's time, for the requests it admits
+        self.num_deferred = 0  # waiting requests the last step left to hit blocks in flight
         self._was_idle = True
         self._last_idle_audit: float | None = None  # when a drain last ran the full audit
 
@@ -136,6 +138,7 @@ class Scheduler:
         # Invariant: the step's tokens never exceed the budget, and every request either runs
         # with all the slots it needs or does not run at all.
         out = SchedulerOutput()
+        self._now = now
         self._expire(now, out)
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
@@ -189,6 +192,7 @@ class Scheduler:
             in_flight[request.request_id] = hit.num_tokens + num_new
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+        self.num_deferred = len(skipped)
 
         out.scheduled = self._verified(scheduled, out)
         self.num_scheduled_tokens += out.num_batched_tokens
@@ -212,6 +216,8 @@ class Scheduler:
                joined: tuple[str, ...] = ()) -> None:
         """The head of the queue got its slots: it runs from this step on."""
         self.waiting.popleft()
+        if request.scheduled_time is None:
+            request.scheduled_time = self._now
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         scheduled.append(self._scheduled(request, num_new, joined))

@@ -69,7 +69,8 @@ def _describe(target: TargetSummary) -> str:
     if "blocks" in f:
         parts.append(f"{f['held_blocks']:.0f} of {f['blocks']:.0f} blocks held "
                      f"(block size {f['block_size']})")
-    parts.append(f"{f.get('running', 0):.0f} running, {f.get('waiting', 0):.0f} waiting")
+    parts.append(f"{f.get('running', 0):.0f} running, {f.get('waiting', 0):.0f} waiting, "
+                 f"KV usage {f.get('kv_usage', 0):.0%}")
     for key, label in (("hit_rate_window", "window"), ("hit_rate_since_start", "since start")):
         if f.get(key) is not None:
             parts.append(f"hit rate {f[key]:.0%} ({label})")
@@ -96,8 +97,15 @@ def render(report: Report, console: Console) -> None:
             console.print(f"    requests: {escape(', '.join(finding.request_ids))}",
                           soft_wrap=True)
     problems = report.problems
+    skipped = [f.target for f in report.findings if f.title.startswith("not checked on ")]
     if not problems:
-        console.print("[green]healthy[/]: nothing wrong found")
+        if skipped:
+            console.print(f"[green]healthy[/]: nothing wrong found in what could be checked; "
+                          f"{len(skipped)} target(s) lack kvserve metrics, so the checks "
+                          f"listed above were not run there ({escape(', '.join(skipped))})",
+                          soft_wrap=True)
+        else:
+            console.print("[green]healthy[/]: nothing wrong found")
         return
     counts = {s: sum(1 for f in problems if f.severity is s)
               for s in (Severity.CRITICAL, Severity.WARNING)}

@@ -48,7 +48,10 @@ class Metrics:
         return cls(families, tuple(samples))
 
     def has(self, name: str) -> bool:
-        return any(n == name for n, _, _ in self.samples) or name in self.families
+        """Whether the exposition has `name`: a sample, or a family (a counter `x_total`
+        whose labelled children do not exist yet is family `x`)."""
+        return (any(n == name for n, _, _ in self.samples) or name in self.families
+                or (name.endswith("_total") and name.removesuffix("_total") in self.families))
 
     def get(self, name: str, **labels: str) -> float | None:
         """The sum of `name`'s samples matching `labels`; None when there is none."""

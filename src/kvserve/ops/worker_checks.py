@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvserve.ops import vllm_worker_checks as vllm_checks
 from kvserve.ops.findings import Finding, Problem, Severity
 from kvserve.ops.scrape import Kind, Metrics, Observation
+from kvserve.ops.vllm_worker_checks import check_idle_usage, not_checked, usage
 
 LEAK_KINDS = frozenset({"leak", "held_while_idle"})
 CORRUPTION_KINDS = frozenset({"epoch_mismatch", "stale_hash", "hash_map_mismatch",
@@ -19,6 +21,7 @@ CORRUPTION_KINDS = frozenset({"epoch_mismatch", "stale_hash", "hash_map_mismatch
 MAX_LISTED = 10
 THRASH_HIT_RATE = 0.2  # below this (window) while evicting: the working set does not fit
 QUEUE_WARN = 8  # requests waiting in both snapshots
+KV_FULL = 0.95  # KV usage in both snapshots that, with requests waiting, names saturation
 TINY_KV_REQUESTS = 4  # warn when fewer max-length requests than this fit in the KV cache
 
 
@@ -193,7 +196,7 @@ def check_thrashing(obs: Observation) -> list[Finding]:
     assert b is not None
     dt = obs.interval_s
     window_rate, life_rate = hit_rates(obs)
-    blocks = b.value("kvserve:kv_blocks")
+    blocks = b.value("kvserve:kv_blocks") or float(vllm_checks.num_blocks(b) or 0)
     evicted = delta(obs, "kvserve:kv_evicted_blocks_total")
     allocated = delta(obs, "kvserve:kv_allocated_blocks_total")
     tenants = {t for t, v in b.by_label("kvserve:tenant_prefix_cache_queries_total",
@@ -218,9 +221,9 @@ def check_thrashing(obs: Observation) -> list[Finding]:
     if not evidence:
         return []
     block_size = _cache_config(b).get("block_size", "?")
-    evidence.append(f"{len(tenants)} tenants share this worker's {blocks:.0f} blocks x "
-                    f"{block_size} tokens: their prefixes evict each other (or the traffic "
-                    "shares no prefix at all)")
+    who = f"{len(tenants)} tenants share" if tenants else "the traffic shares"
+    evidence.append(f"{who} this worker's {blocks:.0f} blocks x {block_size} tokens: "
+                    "prefixes evict each other (or the traffic shares no prefix at all)")
     return [Finding(obs.url, Problem.THRASHING, Severity.WARNING,
                     "prefix cache thrashing: cached prefixes are evicted before reuse",
                     tuple(evidence))]
@@ -231,10 +234,21 @@ def check_saturation(obs: Observation) -> list[Finding]:
     _, running = _both(obs, "vllm:num_requests_running")
     dt = obs.interval_s
     evidence = []
+    a, b = obs.first.metrics, obs.second.metrics
+    assert a is not None and b is not None
     if wait_a >= QUEUE_WARN and wait_b >= QUEUE_WARN:
         evidence.append(f"{wait_a:.0f} then {wait_b:.0f} requests waiting ({running:.0f} "
                         "running)")
-    rejected = delta(obs, "kvserve:requests_rejected_total")
+    if usage(a) >= KV_FULL and usage(b) >= KV_FULL and wait_a > 0 and wait_b > 0:
+        capacity = b.get("vllm:num_requests_waiting_by_reason", reason="capacity")
+        why = "" if capacity is None else f", {capacity:.0f} of them for lack of capacity"
+        evidence.append(f"KV cache {usage(a):.0%} then {usage(b):.0%} used with {wait_a:.0f} "
+                        f"then {wait_b:.0f} requests waiting{why}: the KV cache, not "
+                        "compute, limits the batch")
+    # a kvserve worker counts each 429 in both; vLLM only in its own
+    rejected = delta(obs, "kvserve:requests_rejected_total"
+                     if b.has("kvserve:requests_rejected_total")
+                     else "vllm:admission_rejections_total")
     if rejected > 0:
         evidence.append(f"refused {rejected:.0f} requests (429) in {dt:.1f}s")
     preempted = delta(obs, "vllm:num_preemptions_total")
@@ -298,4 +312,6 @@ def check_worker(obs: Observation) -> list[Finding]:
                                     f"could not read /debug/kv ({obs.second.debug_error})",
                                     ("pass --admin-key to see which requests hold blocks",)))
     findings += check_thrashing(obs) + check_saturation(obs) + check_config(obs)
+    if obs.kind is Kind.VLLM_WORKER:
+        findings += check_idle_usage(obs) + not_checked(obs)
     return findings

@@ -41,6 +41,7 @@ from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.host_memory import reuse_freed_host_memory
 from kvserve.runtime.kv_event_log import KVEventLog
 from kvserve.runtime.outputs import CompletionOutput, RequestOutput
+from kvserve.runtime.step_tokens import StepTokenCounts, StepTokens
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -54,6 +55,8 @@ class EngineStats:
     num_preemptions: int
     kv: KVCacheStats
     last_audit: AuditReport | None
+    step_tokens: StepTokenCounts | None = None
+    num_waiting_deferred: int = 0  # of the waiting, those waiting to hit blocks in flight
 
 
 class LLMEngine:
@@ -81,6 +84,7 @@ class LLMEngine:
         self.last_audit: AuditReport | None = None
         self.model_path: Path | None = None  # the checkpoint directory, once loaded
         self.kv_events = KVEventLog()  # the cache's events, drained every step (routers poll)
+        self.step_tokens = StepTokens()  # tokens computed per step that computed any
         self._outputs: dict[str, RequestOutput] = {}  # live requests by id
         self._child_of: dict[str, tuple[str, int]] = {}  # engine request id -> (id, index)
         # Called on the engine thread as a request's final output leaves `step`, before the
@@ -247,10 +251,13 @@ class LLMEngine:
         for output in self._outputs.values():
             for completion in output.outputs:
                 completion.new_text, completion.new_token_ids, completion.new_logprobs = "", (), ()
+        scheduled_before = self.core.scheduler.num_scheduled_tokens
         for delta in self.core.step():
             output = self._apply(delta)
             if output is not None:
                 touched[output.request_id] = output
+        if (num_tokens := self.core.scheduler.num_scheduled_tokens - scheduled_before) > 0:
+            self.step_tokens.observe(num_tokens)
         self.kv_events.extend(self.kv_cache.drain_events())
         for request_id, output in touched.items():
             if output.finished:
@@ -273,6 +280,10 @@ class LLMEngine:
         completion.token_ids.extend(delta.new_token_ids)
         completion.logprobs.extend(delta.new_logprobs)
         output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
+        output.num_preemptions = max(output.num_preemptions, delta.num_preemptions)
+        if delta.scheduled_time is not None and (output.scheduled_time is None
+                                                 or delta.scheduled_time < output.scheduled_time):
+            output.scheduled_time = delta.scheduled_time
         if delta.new_token_ids and output.first_token_time is None:
             output.first_token_time = self.clock()
         if delta.finished:
@@ -293,7 +304,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         scheduler = self.core.scheduler
         return EngineStats(len(scheduler.running), len(scheduler.waiting),
-                           scheduler.num_preemptions, self.kv_cache.stats(), self.last_audit)
+                           scheduler.num_preemptions, self.kv_cache.stats(), self.last_audit,
+                           self.step_tokens.snapshot(), scheduler.num_deferred)
 
     def _record_audit(self, report: AuditReport) -> None:
         self.last_audit = report

@@ -31,8 +31,9 @@ class CompletionOutput:
 class RequestOutput:
     """A request's state after a step. `finished` once every sample ended.
 
-    Times are on the engine's monotonic clock: `arrival_time`, `first_token_time` (any sample),
-    `finished_time`. `num_cached_tokens`: prompt tokens served from the prefix cache.
+    Times are on the engine's monotonic clock: `arrival_time`, `scheduled_time` (first run, any
+    sample), `first_token_time` (any sample), `finished_time`. `num_cached_tokens`: prompt
+    tokens served from the prefix cache.
     """
 
     request_id: str
@@ -43,6 +44,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     first_token_time: float | None = None
     finished_time: float | None = None
+    scheduled_time: float | None = None  # when the engine first ran it (any sample)
+    num_preemptions: int = 0  # the most any sample was preempted
 
     @property
     def finished(self) -> bool:

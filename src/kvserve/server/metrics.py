@@ -1,7 +1,8 @@
-"""Prometheus metrics: vLLM's names where vLLM has the metric, `kvserve:` names for the rest.
+"""Prometheus metrics: vLLM 0.32's families where vLLM has the metric (server/vllm_metrics.py,
+with vLLM's names, types, labels and buckets), `kvserve:` names for the rest.
 
 Engine counters are read from the engine's own snapshot at scrape time (so `/metrics` equals the
-cache's books exactly); latencies are observed here as requests finish. One registry per app.
+cache's books exactly); latencies are observed as requests finish. One registry per app.
 """
 
 from __future__ import annotations
@@ -10,19 +11,13 @@ import hashlib
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
-from kvserve.engine import FinishReason
 from kvserve.kvcache import FreeReason, HostTierStats
 from kvserve.runtime import AsyncEngine, RequestOutput
+from kvserve.server.vllm_metrics import VLLMEngineFamilies, VLLMRequestMetrics
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                7.5, 10.0, 20.0, 40.0, 80.0)
-ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
-               2.5, 5.0, 7.5, 10.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-               120.0, 240.0, 480.0)
 MAX_TENANT_LABELS = 32  # bounded label cardinality; later tenants share "other"
 
 
@@ -35,7 +30,7 @@ def tenant_label(tenant: str | None, cache_salt: str | None) -> str:
     return "none"
 
 
-Metric = GaugeMetricFamily | CounterMetricFamily
+Metric = GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily
 
 
 class EngineCollector(Collector):
@@ -44,6 +39,7 @@ class EngineCollector(Collector):
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
+        self.vllm = VLLMEngineFamilies(engine, model_name)
 
     def _gauge(self, name: str, doc: str, v: float) -> GaugeMetricFamily:
         g = GaugeMetricFamily(name, doc, labels=["model_name"])
@@ -56,28 +52,12 @@ class EngineCollector(Collector):
         return m
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.stats
-        kv, c = stats.kv, stats.kv.counters
+        kv, c = self.engine.stats.kv, self.engine.stats.kv.counters
         gauge, counter = self._gauge, self._counter
-        yield gauge("vllm:num_requests_running", "Requests in the running batch.",
-                    stats.num_running)
-        yield gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.",
-                    stats.num_waiting)
+        yield from self.vllm.collect()
         yield gauge("kvserve:max_num_seqs", "Requests the running batch holds at most "
                     "(--max-num-seqs): what a gateway keeps in flight here, plus headroom.",
                     self.engine.engine.core.scheduler.config.max_num_seqs)
-        yield gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full; evictable cached "
-                    "blocks count as free).", kv.usage)
-        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      c.prefix_queries_tokens)
-        yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                      c.prefix_hits_tokens)
-        yield counter("vllm:num_preemptions", "Preemptions (KV recomputed later).",
-                      stats.num_preemptions)
-        info = GaugeMetricFamily("vllm:cache_config_info", "KV cache configuration.",
-                                 labels=["block_size", "num_gpu_blocks", "enable_prefix_caching"])
-        info.add_metric([str(kv.block_size), str(kv.num_blocks), "True"], 1.0)
-        yield info
         yield gauge("kvserve:kv_free_blocks", "Free blocks (uncached + cached).",
                     kv.num_free_blocks)
         yield gauge("kvserve:kv_cached_free_blocks", "Free blocks still hit-able.",
@@ -214,18 +194,7 @@ class ServerMetrics:
         self.registry.register(EngineCollector(engine, model_name))
         label = ["model_name"]
         reg = self.registry
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", label,
-                              buckets=TTFT_BUCKETS, registry=reg)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between output tokens.",
-                             label, buckets=ITL_BUCKETS, registry=reg)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.",
-                             label, buckets=E2E_BUCKETS, registry=reg)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed.", label,
-                                     registry=reg)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", label,
-                                         registry=reg)
-        self.success = Counter("vllm:request_success", "Finished requests by finish reason.",
-                               ["model_name", "finished_reason"], registry=reg)
+        self.vllm = VLLMRequestMetrics(reg, model_name, engine.engine.max_model_len)
         self.rejected = Counter("kvserve:requests_rejected", "Requests refused, by cause.",
                                 ["model_name", "cause"], registry=reg)
         self.in_flight = Gauge("kvserve:requests_in_flight",
@@ -243,19 +212,17 @@ class ServerMetrics:
         self.transfer = TransferMetrics(reg, model_name)
 
     def observe_token_gap(self, seconds: float) -> None:
-        self.itl.labels(self.model_name).observe(seconds)
+        self.vllm.observe_token_gap(seconds)
 
-    def observe_finished(self, output: RequestOutput, tenant: str) -> None:
+    def refused(self, cause: str) -> None:
+        """A request answered 429: kvserve's count by cause, and vLLM's admission rejection."""
+        self.rejected.labels(self.model_name, cause).inc()
+        self.vllm.rejected()
+
+    def observe_finished(self, output: RequestOutput, tenant: str,
+                         max_tokens: int | None = None) -> None:
+        self.vllm.observe_finished(output, max_tokens)
         m = self.model_name
-        if output.first_token_time is not None:
-            self.ttft.labels(m).observe(output.first_token_time - output.arrival_time)
-        if output.finished_time is not None:
-            self.e2e.labels(m).observe(output.finished_time - output.arrival_time)
-        self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
-        self.generation_tokens.labels(m).inc(output.num_generated_tokens)
-        for completion in output.outputs:
-            reason = completion.finish_reason or FinishReason.ABORT
-            self.success.labels(m, reason.openai_name).inc()
         if tenant not in self._tenants and len(self._tenants) >= MAX_TENANT_LABELS:
             tenant = "other"
         self._tenants.add(tenant)

@@ -123,7 +123,7 @@ class Serving:
         # Check and count in one step (no await between): a flood of requests that all passed
         # the route's awaits together must not all be admitted.
         if self.in_flight >= self.capacity:
-            self.metrics.rejected.labels(self.model_name, "queue_full").inc()
+            self.metrics.refused("queue_full")
             raise APIError(429, f"the server is saturated ({self.in_flight} requests in flight); "
                            f"retry after {self.settings.retry_after_s}s",
                            err_type="rate_limit_error",
@@ -162,7 +162,7 @@ class Serving:
                         self.metrics.observe_token_gap(now - last)
                     last = now
                     if output.finished:
-                        self.metrics.observe_finished(output, call.tenant)
+                        self.metrics.observe_finished(output, call.tenant, params.max_tokens)
                     await queue.put((idx, output))
                 await queue.put(idx)
             except BaseException as exc:
