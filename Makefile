@@ -28,8 +28,8 @@ PORT ?= 8080
 run: venv
 	$(BIN)/kvserve up --workers $(WORKERS) --policy $(POLICY) --port $(PORT)
 
-# The KV-cache replay benchmark on the Mooncake trace (a synthetic multi-tenant trace where
-# ../shared is absent).
+# The KV-cache replay benchmark on the Mooncake trace (docs/traces.md: where to get it), or the
+# synthetic multi-tenant trace without it.
 bench-kvcache: venv
 	@if [ -f "$(TRACE)" ]; then \
 		$(BIN)/kvserve bench kvcache --trace $(TRACE) --capacity-tokens 1000000 10000000; \

@@ -4,7 +4,7 @@ One fleet of workers (kvserve's, or vLLM's CPU server with `--worker-server vllm
 for every case and router it is made cold again, the router's processes are started, the same
 open-loop multi-tenant workload is sent (gateway_load.py), and the workers' own prefix-cache
 counters give the fleet hit rate. Routers: kvserve's gateway (`kvserve:POLICY`), SGLang's router
-(`sglang:POLICY`, ../shared/PEERS.md), and `ideal`, the client-side split that pins each tenant
+(`sglang:POLICY`, docs/peers.md), and `ideal`, the client-side split that pins each tenant
 to one worker (the hit-rate ceiling). Cases (production's, per the gateway issue):
 
 - base: one router replica, even tenant mix, patient clients;
