@@ -64,10 +64,15 @@ def engine_plot(cells: Sequence[Mapping[str, Any]], out_dir: Path, title: str) -
         bars = ax.bar(xs, ys, width, label=system)
         ax.bar_label(bars, fmt="{:,.0f}", fontsize=7, padding=2)
     ax.set_xticks(range(len(cells)), groups)
-    ax.set(ylabel="output tokens / s (higher is better)", title=title)
+    ax.set(ylabel="output tokens / s, log scale (higher is better)", title=title)
     ax.set_yscale("log")
+    top = max((f["output_tok_per_s"] for c in cells for f in c["systems"].values()
+               if "output_tok_per_s" in f), default=1.0)
+    ax.set_ylim(top=max(top, 1.0) * 3)  # room for the bar labels and the legend
+    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:,.0f}"))
+    ax.yaxis.set_minor_formatter(plt.NullFormatter())
     ax.grid(axis="y", alpha=0.3, which="both")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, ncol=max(len(systems), 1), loc="upper center")
     fig.tight_layout()
     path = out_dir / ENGINE_PNG
     fig.savefig(path, dpi=120)
