@@ -87,3 +87,12 @@ def test_gateway_image_installs_no_torch_and_the_gateway_manifest_uses_it() -> N
     user = re.findall(r"^USER (\S+)", dockerfile, re.M)
     run_as = deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"]
     assert user and user[-1].split(":")[0] == str(run_as)
+
+
+def test_an_engine_command_without_torch_says_how_to_install_it() -> None:
+    probe = ("import sys\nsys.modules['torch'] = None  # as in `pip install kvserve`: no torch\n"
+             "import kvserve.cli\nsys.exit(kvserve.cli.main(['serve', '--port', '1']))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "pip install 'kvserve[engine]'" in done.stderr and "Traceback" not in done.stderr
