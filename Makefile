@@ -10,12 +10,14 @@ TRACE ?= $(SHARED)/traces/mooncake/synthetic_trace.jsonl
 venv: $(VENV)/.installed
 
 # torch first, pinned to the CPU build that lies on these machines, so pip never pulls a CUDA build
-# (the project asks for torch>=2.4, which the installed 2.13.0 satisfies).
+# (the engine extra asks for torch>=2.4, which the installed 2.13.0 satisfies). A clone installs
+# every role (engine, plots, dev tools); `pip install .` alone is the torch-free gateway/doctor/
+# simulator install.
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[engine,plot,dev]'
 	touch $@
 
 # The main job: two local kvserve workers on the built-in demo model behind the cache-aware
@@ -26,8 +28,8 @@ PORT ?= 8080
 run: venv
 	$(BIN)/kvserve up --workers $(WORKERS) --policy $(POLICY) --port $(PORT)
 
-# The KV-cache replay benchmark on the Mooncake trace (a synthetic multi-tenant trace where
-# ../shared is absent).
+# The KV-cache replay benchmark on the Mooncake trace (docs/traces.md: where to get it), or the
+# synthetic multi-tenant trace without it.
 bench-kvcache: venv
 	@if [ -f "$(TRACE)" ]; then \
 		$(BIN)/kvserve bench kvcache --trace $(TRACE) --capacity-tokens 1000000 10000000; \

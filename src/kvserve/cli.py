@@ -1,4 +1,8 @@
-"""The `kvserve` command."""
+"""The `kvserve` command.
+
+Every subcommand's parser imports without torch (the engine loads only when a worker or an engine
+benchmark runs), so `pip install kvserve` is enough for the gateway, the doctor and the simulator.
+"""
 
 from __future__ import annotations
 
@@ -48,9 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What `pip install 'kvserve[engine]'` adds; a command that needs one of them says so.
+ENGINE_PACKAGES = frozenset({"torch", "safetensors", "huggingface_hub"})
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.func(args))
+    try:
+        return int(args.func(args))
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in ENGINE_PACKAGES:
+            raise
+        print(f"kvserve {args.command}: this command runs the engine, which needs {exc.name}: "
+              "install it with pip install 'kvserve[engine]'", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""`kvserve up` stops its workers when it is stopped, by SIGINT or by SIGTERM."""
+"""`kvserve up` offers one URL and one curl, the gateway's, which answers; it stops its workers
+when it is stopped, by SIGINT or by SIGTERM."""
 
 from __future__ import annotations
 
 import re
+import shlex
+import shutil
 import signal
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -25,8 +29,10 @@ def test_stopping_up_stops_its_workers(tmp_path: Path, sig: signal.Signals) -> N
     up = Process("up", ["up", "--workers", "1", *worker_args], tmp_path)
     try:
         up.wait_ready(lambda r: r.status_code == 200)
-        workers = re.findall(r"serving \S+ at (http://127\.0\.0\.1:\d+)", up.log())
+        workers = re.findall(r"worker at (http://127\.0\.0\.1:\d+), behind the gateway at "
+                             + re.escape(up.url), up.log())
         assert len(workers) == 1 and _serving(workers[0]), up.log()
+        _answers_the_one_curl_offered(up.log(), up.url)
         listing = up.get("/workers").json()  # one gateway: new prefixes by footprint
         assert listing["policy"] == "cache_aware", listing
         assert listing["policy_options"] == {"cold_placement": "footprint"}, listing
@@ -36,6 +42,17 @@ def test_stopping_up_stops_its_workers(tmp_path: Path, sig: signal.Signals) -> N
                    up.log)
     finally:
         up.kill()
+
+
+def _answers_the_one_curl_offered(log: str, gateway_url: str) -> None:
+    offered = [line for line in log.splitlines() if "curl " in line]
+    assert len(offered) == 1 and f"curl {gateway_url}/v1/" in offered[0], log
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed: the offered command was checked, not run")
+    argv = shlex.split(offered[0].split("try: ", 1)[1])
+    done = subprocess.run([*argv, "--silent", "--fail", "--max-time", "60"],
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0 and '"choices"' in done.stdout, (done, log)
 
 
 def test_up_and_a_gateway_route_cache_aware_unless_told() -> None:

@@ -102,8 +102,9 @@ def test_service_monitor_selects_the_services() -> None:
 def test_dockerfile_runs_as_the_manifests_user() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim", text, re.M)
-    # torch (the CPU build) is installed before the project, so pip never pulls a CUDA build
-    assert text.index('pip install "torch==') < text.index("RUN pip install .")
+    # torch (the CPU build) is installed before the project and its engine extra, so pip never
+    # pulls a CUDA build
+    assert text.index('pip install "torch==') < text.index("RUN pip install '.[engine]'")
     user = re.findall(r"^USER (\S+)", text, re.M)
     run_as = {str(container_doc["spec"]["template"]["spec"]["securityContext"]["runAsUser"])
               for container_doc in by_kind("StatefulSet") + by_kind("Deployment")}

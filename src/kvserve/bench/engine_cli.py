@@ -31,6 +31,7 @@ from kvserve.bench.engine_workloads import (
     ensure_bench_model,
 )
 from kvserve.bench.peers_env import missing_peer_message, vllm_python
+from kvserve.bench.plots import ENGINE_PNG, PlotsUnavailable, engine_plot, require_plots
 
 DRIVER = Path(__file__).parent / "peers" / "vllm_engine_driver.py"
 PEERS = (VLLM, HF)
@@ -68,6 +69,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--json", action="store_true", help="one JSON object per model x workload")
     p.add_argument("--json-out", type=Path, default=None, metavar="FILE",
                    help="also write the JSON objects (one a line) to FILE")
+    p.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                   help=f"write {ENGINE_PNG} (tokens/s of every system) into DIR")
     p.set_defaults(func=run)
 
 
@@ -190,9 +193,10 @@ def run(args: argparse.Namespace) -> int:
         sizes.check()
         if min(args.threads, args.repeats) < 1 or not args.kv_cache_gib > 0:
             raise ValueError("--threads and --repeats must be at least 1, --kv-cache-gib > 0")
+        require_plots(args.plot)
         model_dirs = {m: ensure_bench_model(m) for m in dict.fromkeys(args.model)}
-    except ValueError as exc:
-        err.print(f"[red]{exc}[/]", soft_wrap=True)
+    except (ValueError, PlotsUnavailable) as exc:
+        err.print(str(exc), style="red", markup=False, soft_wrap=True)
         return 2
     peers = chosen_peers(args.peer)
     for name, reason in peers.items():
@@ -230,8 +234,17 @@ def run(args: argparse.Namespace) -> int:
             if args.json_out is not None:
                 with open(args.json_out, "a", encoding="utf-8") as f:
                     f.write(line + "\n")
+    title = (f"engine throughput and TTFT ({args.threads} threads, float32, greedy, "
+             f"{args.kv_cache_gib:g} GiB KV)")
     if not args.json:
-        print_table(cells, f"engine throughput and TTFT ({args.threads} threads, float32, "
-                           f"greedy, {args.kv_cache_gib:g} GiB KV)")
+        print_table(cells, title)
+    if args.plot is not None:
+        try:
+            path = engine_plot([c.as_dict() for c in cells], args.plot,
+                               f"kvserve bench engine: {args.threads} threads, float32, greedy")
+        except PlotsUnavailable as exc:
+            err.print(str(exc), style="red", markup=False, soft_wrap=True)
+            return 2
+        err.print(f"wrote {path}", soft_wrap=True, highlight=False)
     return 0
 

@@ -4,7 +4,7 @@ One fleet of workers (kvserve's, or vLLM's CPU server with `--worker-server vllm
 for every case and router it is made cold again, the router's processes are started, the same
 open-loop multi-tenant workload is sent (gateway_load.py), and the workers' own prefix-cache
 counters give the fleet hit rate. Routers: kvserve's gateway (`kvserve:POLICY`), SGLang's router
-(`sglang:POLICY`, ../shared/PEERS.md), and `ideal`, the client-side split that pins each tenant
+(`sglang:POLICY`, docs/peers.md), and `ideal`, the client-side split that pins each tenant
 to one worker (the hit-rate ceiling). Cases (production's, per the gateway issue):
 
 - base: one router replica, even tenant mix, patient clients;
@@ -56,6 +56,13 @@ from kvserve.bench.gateway_workload import (
     gateway_requests,
     tenant_trace,
     working_set_tokens,
+)
+from kvserve.bench.plots import (
+    GATEWAY_CDF_PNG,
+    GATEWAY_HIT_PNG,
+    PlotsUnavailable,
+    gateway_plots,
+    require_plots,
 )
 from kvserve.bench.server_launch import (
     KVSERVE,
@@ -133,6 +140,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="also simulate each kvserve policy run with this cost profile "
                         "(kvserve: `kvserve bench profile --threads 1`) and compare")
     p.add_argument("--json", type=Path, default=None, help="write every run's figures here")
+    p.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                   help=f"write {GATEWAY_HIT_PNG} and {GATEWAY_CDF_PNG} (per case, by router) "
+                        "into DIR")
     p.set_defaults(func=run)
 
 
@@ -149,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         if min(args.workers, args.requests, args.repeats) < 1 or args.rate <= 0:
             raise ValueError("--workers, --requests and --repeats must be >= 1 and --rate "
                              "positive")
+        require_plots(args.plot)
         spec = MultiTenantSpec(num_tenants=args.tenants, num_requests=args.requests,
                                prefix_tokens=args.prefix_tokens,
                                suffix_tokens=args.suffix_tokens,
@@ -161,8 +172,8 @@ def run(args: argparse.Namespace) -> int:
         model_dir = ensure_bench_model(args.model).resolve()
         builder = PromptBuilder(Tokenizer.from_pretrained(model_dir))
         texts = BlockTexts(builder)
-    except (ValueError, OSError) as exc:
-        err.print(f"[red]{exc}[/]", soft_wrap=True)
+    except (ValueError, OSError, PlotsUnavailable) as exc:
+        err.print(str(exc), style="red", markup=False, soft_wrap=True)
         return 2
     working_set = working_set_tokens(tenant_trace(spec))
     capacity = int(working_set / args.working_set)
@@ -257,4 +268,12 @@ def run(args: argparse.Namespace) -> int:
             "working_set_tokens": working_set, "kv_tokens_per_worker": capacity,
             "runs": [r.as_dict() for r in runs],
             "overhead": [r.as_dict() for r in overheads]}, indent=1))
+    if args.plot is not None and runs:
+        try:
+            paths = gateway_plots(runs, args.plot, f"kvserve bench gateway: {args.workers} "
+                                  f"{args.worker_server} workers, {args.requests} requests")
+        except PlotsUnavailable as exc:
+            err.print(str(exc), style="red", markup=False, soft_wrap=True)
+            return 2
+        err.print(f"wrote {', '.join(str(p) for p in paths)}", soft_wrap=True, highlight=False)
     return 0

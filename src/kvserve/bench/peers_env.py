@@ -1,6 +1,6 @@
 """Finding the peers (vLLM's CPU build, SGLang's router) that benchmarks measure side by side.
 
-Peers live in their own virtual environments outside the repository (../shared/PEERS.md). A
+Peers live in their own virtual environments outside the repository (docs/peers.md). A
 benchmark asks for a peer's interpreter and skips the peer, saying why, when it is absent.
 """
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 def peers_root() -> Path:
-    """`$PEERS`, else `~/.cache/kvserve-peers` (the location PEERS.md installs into)."""
+    """`$PEERS`, else `~/.cache/kvserve-peers` (where docs/peers.md installs them)."""
     return Path(os.environ.get("PEERS", Path.home() / ".cache" / "kvserve-peers"))
 
 
@@ -24,7 +24,7 @@ def vllm_python() -> Path | None:
 
 def missing_peer_message(name: str, env_var: str) -> str:
     return (
-        f"{name} is not installed, so it is not measured: install it as ../shared/PEERS.md says "
+        f"{name} is not installed, so it is not measured: install it as docs/peers.md says "
         f"(into $PEERS, default {peers_root()}), or point {env_var} at it"
     )
 

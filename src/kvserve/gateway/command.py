@@ -266,7 +266,8 @@ def run_up(args: argparse.Namespace) -> int:
     procs = []
     for port, role in zip(ports, roles, strict=True):
         cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port),
-               "--num-threads", str(threads), "--role", role, *args.worker_arg]
+               "--num-threads", str(threads), "--role", role, *args.worker_arg,
+               "--behind-gateway", f"http://{args.host}:{args.port}"]
         if role == "decode":
             cmd += ["--kv-host-tier-bytes", str(args.decode_host_tier_bytes)]
         if args.model:

@@ -19,8 +19,7 @@ Three implementations of one contract, each an exact replacement for the referen
   used in the cache's own layout, never transposed or copied again; the head enters the tail's
   softmax as one extra key whose score is its log-sum-exp and whose value is its output, so one
   softmax both normalises the tail and merges the parts. The tail matmuls do num_kv_heads times
-  the necessary work, which is cheap while tails are short (measured faster than the portable
-  path for tails of up to 512 tokens, 4 kv heads).
+  the necessary work, which is cheap while tails are short.
 - Any device and dtype (the portable path): explicit float32 bmm/softmax for both parts and a
   merge through their running maxima.
 """

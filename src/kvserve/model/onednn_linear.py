@@ -1,16 +1,13 @@
 """Linear layers through oneDNN on CPUs: weights prepacked once, activations read in place.
 
 PyTorch's CPU `F.linear` runs on its BLAS (MKL in the official wheels), which takes a slow path
-on AMD processors; oneDNN, also inside every PyTorch CPU build, does not. Measured on the 2-core
-AMD EPYC (AVX-512) that runs this project's CI, fp32, 2 threads: a [32, 768] x [768, 4096]
-matmul 1.34 ms with MKL, 0.44 ms with oneDNN; the 32000-row lm_head of one decode token 5.6 vs
-1.1 ms. Results are fp32 with a different summation order (errors ~1e-6 relative).
+on AMD processors; oneDNN, also inside every PyTorch CPU build, does not (docs/benchmarks.md,
+offline engine). Results are fp32 with a different summation order (errors ~1e-6 relative).
 
 The call goes through `mkldnn::_linear_pointwise` (the op PyTorch's own compiler emits for a
 packed CPU linear): it takes and returns ordinary dense tensors, so no activation is converted
-to and from oneDNN's tensor type. That conversion cost more than the matmul itself for the
-tiny model's prefill ([1056, 256] x [256, 1024]: 3.9 ms with it, 1.1 ms without). Builds that
-lack the op fall back to `mkldnn_linear` on converted activations.
+to and from oneDNN's tensor type, a conversion that costs more than the matmul on wide
+activations. Builds that lack the op fall back to `mkldnn_linear` on converted activations.
 
 `PackedLinear` holds a weight in oneDNN's blocked layout, so it is read-only: pack after the
 weights are loaded and fused, and only for inference.

@@ -103,7 +103,7 @@ class ModelRunner:
 
 def _padded_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """Block tables as one [num_seqs, max_len] int32 tensor, rows padded with block 0.
-    Filled through a C array: a nested list costs ~3x more (90 us for 32 x 67 entries)."""
+    Filled through a C array, which is cheaper than building the tensor from nested lists."""
     width = max(len(t) for t in tables)
     flat = array.array("i", bytes(4 * width * len(tables)))  # zeros
     for i, table in enumerate(tables):

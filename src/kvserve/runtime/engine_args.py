@@ -23,8 +23,8 @@ class EngineArgs:
     (copy it to the host tier and back; needs the host tier; recompute when the tier is full).
     `max_model_len` None means the model's `max_position_embeddings`.
     `onednn_linear`: on CPU, run the linear layers through oneDNN with prepacked weights (the
-    same fp32 math, in another summation order; 1.8-2.2x faster than PyTorch's default BLAS on
-    the AMD CPUs measured); False keeps PyTorch's `F.linear`.
+    same fp32 math, in another summation order; PyTorch's default BLAS takes a slow path on AMD
+    CPUs); False keeps PyTorch's `F.linear`.
     `cpu_kernels`: on CPU, run attention and the fused position-wise ops through kvserve's own
     kernels (model/cpu_kernels; float32, AVX-512, built with the system's C compiler on first
     use, else PyTorch's ops); False keeps PyTorch's ops. Process-wide.

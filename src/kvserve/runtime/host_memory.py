@@ -2,10 +2,9 @@
 
 glibc serves every allocation above its mmap threshold (32 MiB at most, adjusted at run time)
 with a fresh `mmap` and returns it with `munmap` when freed, and it trims the heap top back to
-the kernel. A prefill step of the 100m benchmark model allocates and frees activations of
-8-32 MiB dozens of times, so every one of them was faulted in page by page (the kernel zeroes
-each page) and handed back: elementwise ops ran at a third of their speed and the 2,048-token
-prefill took 1.1-1.2 s instead of 0.8 s. Raising both thresholds keeps that memory mapped and
+the kernel. A prefill step allocates and frees activations of many MiB dozens of times, so each
+would be faulted in page by page (the kernel zeroes each page) and handed back, slowing the
+step (docs/benchmarks.md, offline engine). Raising both thresholds keeps that memory mapped and
 reused. vLLM's CPU build gets the same effect from tcmalloc; this needs no preloaded library.
 
 The cost: the process keeps its peak heap mapped (it is reused, not leaked). Process-wide,

@@ -113,6 +113,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "--kv-host-tier-bytes to receive into (default: both, one worker)")
     p.add_argument("--kv-transfer-timeout", type=float, default=60.0,
                    help="seconds one KV pull from a prefill worker may take (decode role)")
+    # Set by `kvserve up`: the gateway is the URL to offer, so the worker only logs its own.
+    p.add_argument("--behind-gateway", metavar="URL", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
@@ -182,13 +184,15 @@ def run(args: argparse.Namespace) -> int:
     gc.freeze()
     url = f"http://{args.host}:{args.port}"
     stats = engine.kv_cache.stats()
-    console.print(f"[green]kvserve[/] serving [bold]{engine.model_name}[/] at {url} "
-                  f"({stats.num_blocks} KV blocks of {stats.block_size} tokens, role "
-                  f"{args.role})", soft_wrap=True)
-    auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
-    console.print(f"try: curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
-                  f"-d '{{\"model\": \"{engine.model_name}\", \"prompt\": \"Hello\", "
-                  f"\"max_tokens\": 16}}'", soft_wrap=True, highlight=False)
+    where = (f"worker at {url}, behind the gateway at {args.behind_gateway}"
+             if args.behind_gateway else f"serving [bold]{engine.model_name}[/] at {url}")
+    console.print(f"[green]kvserve[/] {where} ({stats.num_blocks} KV blocks of "
+                  f"{stats.block_size} tokens, role {args.role})", soft_wrap=True)
+    if not args.behind_gateway:
+        auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
+        console.print(f"try: curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
+                      f"-d '{{\"model\": \"{engine.model_name}\", \"prompt\": \"Hello\", "
+                      f"\"max_tokens\": 16}}'", soft_wrap=True, highlight=False)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per KV pull
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning",

@@ -106,6 +106,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     o = p.add_argument_group("output")
     o.add_argument("--out", type=Path, default=None,
                    help="directory for results.json and the PNG plots")
+    o.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                   help="directory for the PNG plots alone (hit rate over time by policy, "
+                        "TTFT CDF, load per worker)")
     o.add_argument("--jobs", type=int, default=0,
                    help="runs at once in separate processes (0: up to two per CPU)")
     o.add_argument("--json", action="store_true", help="print the summaries as JSON")
@@ -200,24 +203,32 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([r.summary() for r in results], indent=1))
     if args.out is not None:
         _write_outputs(results, args, title, wall, out)
-    elif not args.json:
-        err.print("(--out DIR writes results.json and the PNG plots)")
+    if args.plot is not None:
+        _write_plots(results, args.plot, title, out)
+    if args.out is None and args.plot is None and not args.json:
+        err.print("(--out DIR writes results.json and the PNG plots, --plot DIR the plots)")
     return 0 if all(r.audit_ok for r in results) else 1
 
 
 def _write_outputs(results: list[SimResult], args: argparse.Namespace, title: str,
                    wall: float, out: Console) -> None:
-    from kvserve.sim.plots import write_plots
 
     meta: dict[str, Any] = {k: (str(v) if isinstance(v, Path) else v)
                             for k, v in vars(args).items() if k != "func"}
     meta.update(title=title, wall_s=wall)
     json_path = args.out / "results.json"
     write_json(results, json_path, meta)
+    out.print(f"wrote {json_path}", soft_wrap=True)
+    _write_plots(results, args.out, title, out)
+
+
+def _write_plots(results: list[SimResult], out_dir: Path, title: str, out: Console) -> None:
+    from kvserve.sim.plots import write_plots
+
     try:
-        paths = write_plots(results, args.out, title.split(":")[0])
+        paths = write_plots(results, out_dir, title.split(":")[0])
     except ImportError:
-        out.print(f"wrote {json_path}; no plots: matplotlib is not installed "
-                  "(pip install matplotlib)", soft_wrap=True)
+        out.print("no plots: matplotlib is not installed (pip install 'kvserve[plot]')",
+                  markup=False, soft_wrap=True)
         return
-    out.print(f"wrote {json_path} and {', '.join(str(p) for p in paths)}", soft_wrap=True)
+    out.print(f"wrote {', '.join(str(p) for p in paths)}", soft_wrap=True)

@@ -2,8 +2,8 @@
 
 `h100`, `a100` (Llama-2-70B on one 4-GPU worker) and `h100-tp8`, `a100-tp8` (8 GPUs) are the
 output of `splitwise_fit.fit_splitwise` on the Splitwise simulator's perf_model.csv (MIT,
-(c) 2024 Pratyush Patel; ../shared/traces/splitwise_sim), pinned here so the simulator needs no
-shared data; a test refits them from the CSV. `zero` makes every step instantaneous (the
+(c) 2024 Pratyush Patel; where to get it: docs/traces.md), pinned here so the simulator needs no
+trace files; a test refits them from the CSV. `zero` makes every step instantaneous (the
 exactness check against `kvserve bench kvcache`). `kvserve` is the profile `kvserve bench profile`
 measured on this machine (read from `MEASURED_PROFILE_PATH`).
 """

@@ -1,9 +1,10 @@
 """Cost profiles for real GPUs, fitted from the Splitwise simulator's measurements.
 
 Source: perf_model.csv of the Splitwise simulator (github.com/Mutinifni/splitwise-sim, MIT,
-copyright 2024 Pratyush Patel), shipped at ../shared/traces/splitwise_sim/. Each row is one
-measured batch: `prompt_size` x `batch_size` prompt tokens (`prompt_time`, ms, to the first token)
-and decode steps at that batch (`token_time`, ms per step), for Llama-2-70B on A100/H100.
+copyright 2024 Pratyush Patel), not shipped in the repository (docs/traces.md says where to get
+it). Each row is one measured batch: `prompt_size` x `batch_size` prompt tokens (`prompt_time`,
+ms, to the first token) and decode steps at that batch (`token_time`, ms per step), for
+Llama-2-70B on A100/H100.
 
 The fit (documented in `fit_splitwise`; results pinned in `profiles.py`):
 

@@ -1,4 +1,4 @@
-"""Trace requests and the readers for the public traces in ../shared/traces.
+"""Trace requests and the readers for the public traces (Mooncake, Azure 2023; docs/traces.md).
 
 A `TraceRequest` describes a prompt by its *content blocks*: `hash_ids[i]` names the content of
 tokens `[i * TRACE_BLOCK_SIZE, (i + 1) * TRACE_BLOCK_SIZE)`, and, as in the Mooncake traces, an id

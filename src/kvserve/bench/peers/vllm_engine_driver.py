@@ -1,6 +1,6 @@
 """Run `kvserve bench engine` workloads through vLLM's offline engine (CPU build), stepped by hand.
 
-Run from the peer venv (see ../shared/PEERS.md); it imports nothing from kvserve:
+Run from the peer venv (see docs/peers.md); it imports nothing from kvserve:
 
     $PEERS/vllm-cpu/bin/python src/kvserve/bench/peers/vllm_engine_driver.py --spec SPEC.json
 

