@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]  # config.json's ids, then generation_config.json's extras
     dtype: torch.dtype
     device: torch.device
-    shard: ShardSpec = ShardSpec(0, 1)
+    shard: ShardSpec = field(default_factory=lambda: ShardSpec(0, 1))
 
 
 def load_model(model: str | os.PathLike[str], *, device: torch.device | str = "cpu",

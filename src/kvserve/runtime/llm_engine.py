@@ -41,12 +41,12 @@ from kvserve.model.tensor_parallel import ShardSpec, check_shardable
 from kvserve.runtime.collective_stats import CollectiveStats
 from kvserve.runtime.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from kvserve.runtime.engine_args import EngineArgs
-from kvserve.runtime.model_setup import load_rank_model, rank_device
-from kvserve.runtime.tp_executor import TensorParallelExecutor
-from kvserve.runtime.tp_launch import RankGroup, Rendezvous
 from kvserve.runtime.host_memory import reuse_freed_host_memory
 from kvserve.runtime.kv_event_log import KVEventLog
+from kvserve.runtime.model_setup import load_rank_model, rank_device
 from kvserve.runtime.outputs import CompletionOutput, RequestOutput
+from kvserve.runtime.tp_executor import TensorParallelExecutor
+from kvserve.runtime.tp_launch import RankGroup, Rendezvous
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +174,13 @@ class LLMEngine:
         executor = self.core.executor
         if isinstance(executor, TensorParallelExecutor):
             executor.close()
+
+    def check_ranks(self) -> None:
+        """Raise CollectiveError (rank lost) if another tensor-parallel rank's process on this
+        node has exited; a no-op on one rank."""
+        executor = self.core.executor
+        if isinstance(executor, TensorParallelExecutor):
+            executor.check_ranks()
 
     def fail_all(self, error: str) -> None:
         """End every live request with `error`, freeing its blocks, without running a step

@@ -11,6 +11,7 @@ metric.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterable
 from typing import Protocol
@@ -19,8 +20,8 @@ from kvserve.engine import SampledToken, SchedulerOutput
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.runner import ModelRunner
 from kvserve.model.step_plan import StepPlan, layout_checksum
-from kvserve.runtime.collective_stats import CollectiveStats
-from kvserve.runtime.tp_comm import Communicator, RankDivergenceError
+from kvserve.runtime.collective_stats import CollectiveErrorKind, CollectiveStats
+from kvserve.runtime.tp_comm import CollectiveError, Communicator, RankDivergenceError
 from kvserve.runtime.tp_faults import Fault
 
 
@@ -28,6 +29,9 @@ class RankSupervisor(Protocol):
     """Whoever started the other ranks: stops them when rank 0 closes."""
 
     def stop(self) -> None: ...
+
+    def lost_rank(self) -> tuple[int, int] | None:
+        """(rank, exit code) of a rank process that has exited, if any."""
 
 
 def check_step(comm: Communicator, step_id: int, checksum: int, prev_compute_ns: int,
@@ -85,6 +89,16 @@ class TensorParallelExecutor:
     def release(self, request_ids: Iterable[str]) -> None:
         self.runner.release(request_ids)
 
+    def check_ranks(self) -> None:
+        """Between steps: raise CollectiveError if a rank's process is gone."""
+        lost = self.supervisor.lost_rank()
+        if lost is not None:
+            rank, code = lost
+            self.comm.failed = True
+            self.stats.error("heartbeat", CollectiveErrorKind.RANK_LOST)
+            raise CollectiveError("heartbeat", CollectiveErrorKind.RANK_LOST, self.comm.step_id,
+                                  rank, f"rank {rank}'s process exited with code {code}")
+
     def close(self) -> None:
         """Tell the other ranks to exit (if the group still works), then make sure they did.
         Idempotent."""
@@ -92,10 +106,8 @@ class TensorParallelExecutor:
             return
         self._closed = True
         if not self.comm.failed:
-            try:
+            with contextlib.suppress(RuntimeError):
                 self.comm.broadcast_object(None)
-            except RuntimeError:
-                pass
         self.supervisor.stop()
 
 

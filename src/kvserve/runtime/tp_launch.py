@@ -82,7 +82,8 @@ class Rendezvous:
         return range(first, first + self.ranks_per_node)
 
 
-def spawn_ranks(args: EngineArgs, rendezvous: Rendezvous, ranks: range) -> dict[int, subprocess.Popen[bytes]]:
+def spawn_ranks(args: EngineArgs, rendezvous: Rendezvous,
+                ranks: range) -> dict[int, subprocess.Popen[bytes]]:
     """Start `ranks` of this node as worker processes (their output goes to this stderr)."""
     payload = json.dumps(dataclasses.asdict(args))
     procs = {}
@@ -165,6 +166,13 @@ class RankGroup:
                             f"after the others waited {self.args.collective_timeout_s:g} s in "
                             f"{op}: a slow or stalled rank")
         return kind, None, str(exc).splitlines()[0][:300]
+
+    def lost_rank(self) -> tuple[int, int] | None:
+        """(rank, exit code) of the first local rank process that has exited, if any."""
+        for rank, proc in self.procs.items():
+            if proc.poll() is not None:
+                return rank, proc.returncode
+        return None
 
     def stop(self) -> None:
         """End this node's rank processes: they exit on their own after a clean close; after a

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from kvserve.engine import FinishReason
 from kvserve.kvcache import FreeReason, HostTierStats
 from kvserve.runtime import AsyncEngine, RequestOutput
+from kvserve.server.collective_metrics import CollectiveCollector
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -212,6 +213,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         self.registry.register(EngineCollector(engine, model_name))
+        self.registry.register(CollectiveCollector(engine, model_name))
         label = ["model_name"]
         reg = self.registry
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", label,
