@@ -7,6 +7,7 @@ the worker exits non-zero; none hangs."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -87,10 +88,8 @@ def _rank_pids(server: ServerProcess) -> list[int]:
     pid = server.proc.pid
     children: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
-        try:
+        with contextlib.suppress(OSError):
             children += [int(c) for c in (task / "children").read_text().split()]
-        except OSError:
-            pass
     return children
 
 
