@@ -14,6 +14,7 @@ from kvserve.bench import (
     gateway_cli,
     kvcache_cli,
     preemption_cli,
+    tp_cli,
     profile_cli,
     router_cpu_cli,
     serve_cli,
@@ -39,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile_cli.add_parser(benches)
     disagg_cli.add_parser(benches)
     preemption_cli.add_parser(benches)
+    tp_cli.add_parser(benches)
     attention_cli.add_parser(benches)
     router_cpu_cli.add_parser(benches)
     serve_command.add_parser(commands)
