@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -197,7 +198,8 @@ def run(args: argparse.Namespace) -> int:
                                            timeout_graceful_shutdown=int(args.drain_timeout) + 1))
     threading.Thread(target=_exit_when_group_fails, args=(async_engine, server),
                      name="kvserve-tp-watch", daemon=True).start()
-    server.run()
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it drained on
+        server.run()
     engine.close()
     if _group_failed(async_engine):
         console.print(f"[red]exiting: the tensor-parallel group failed: {async_engine.error}[/]",
