@@ -103,8 +103,10 @@ class RankGroup:
     def __init__(self, args: EngineArgs, rendezvous: Rendezvous) -> None:
         self.args = args
         self.rendezvous = rendezvous
+        # torchrun's agent already serves a store at MASTER_PORT: join it instead.
+        joins = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         self.store = TCPStore(rendezvous.master_addr, rendezvous.master_port,
-                              rendezvous.world_size, is_master=True,
+                              rendezvous.world_size, is_master=not joins,
                               timeout=timedelta(seconds=STARTUP_TIMEOUT_S),
                               wait_for_workers=False)
         spawn = range(1, 1 if rendezvous.launched else rendezvous.ranks_per_node)
