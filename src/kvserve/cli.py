@@ -14,10 +14,10 @@ from kvserve.bench import (
     gateway_cli,
     kvcache_cli,
     preemption_cli,
-    tp_cli,
     profile_cli,
     router_cpu_cli,
     serve_cli,
+    tp_cli,
 )
 from kvserve.gateway import command as gateway_command
 from kvserve.ops import doctor_command
