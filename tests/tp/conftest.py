@@ -19,7 +19,9 @@ TP_CONFIGS = {
     "qwen3_qk_norm": ARCH_CONFIGS["qwen3_qk_norm"],  # 1 KV head, q/k norms
     "mistral_sliding": base_config(architectures=["MistralForCausalLM"], model_type="mistral",
                                    num_attention_heads=4, num_key_value_heads=4,
-                                   sliding_window=8, mlp_bias=True),
+                                   sliding_window=8),
+    # o_proj and down_proj biases: row-parallel, added once (by rank 0).
+    "llama_bias": ARCH_CONFIGS["llama_linear_rope_bias"],
     "mistral_three_heads": ARCH_CONFIGS["mistral_sliding"],  # 3 heads: not splittable by 2
 }
 PARITY_ARCHS = ["llama_gqa", "qwen2_bias_tied", "qwen2_one_kv_head"]

@@ -87,8 +87,8 @@ def test_chunked_prefill_and_forced_preemption(arch, tp_checkpoints):
         assert got[rid] == want[rid] == hf_greedy(path, prompt, 20), rid
 
 
-@pytest.mark.parametrize("name", ["qwen3_qk_norm", "mistral_sliding"])
-def test_qwen3_and_mistral_shard_too(name, tp_checkpoints):
+@pytest.mark.parametrize("name", ["qwen3_qk_norm", "mistral_sliding", "llama_bias"])
+def test_qwen3_mistral_and_row_parallel_biases_shard_too(name, tp_checkpoints):
     path = tp_checkpoints[name]
     prompts = {f"s{n}": random_prompt(n, seed=300 + n) for n in (5, 17, 30)}
     with tp_engine(path) as engine:
