@@ -130,4 +130,4 @@ def _print(rows: list[TPRow], args: argparse.Namespace) -> None:
                       f"{r.collective_s.get('all_gather', 0):.2f}",
                       f"{r.collective_s.get('broadcast', 0):.2f}",
                       f"{r.wall_s - coll:.2f}", f"{r.rank_skew_s:.2f}", str(r.same_tokens))
-    Console().print(table)
+    Console(width=200).print(table)
