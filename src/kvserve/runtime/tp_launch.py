@@ -58,7 +58,7 @@ class Rendezvous:
         """torchrun's variables where set; else 127.0.0.1 and, on one node, a free port."""
         env = os.environ
         if nnodes < 1 or not 0 <= node_rank < nnodes:
-            raise ValueError(f"--node-rank must be in [0, --nnodes) , got {node_rank} of {nnodes}")
+            raise ValueError(f"--node-rank must be in [0, --nnodes), got {node_rank} of {nnodes}")
         if world_size % nnodes:
             raise ValueError(f"tensor_parallel_size {world_size} must be a multiple of "
                              f"--nnodes {nnodes} (the same number of ranks on every node)")
