@@ -21,6 +21,7 @@ from kvserve.bench import (
     profile_cli,
     router_cpu_cli,
     serve_cli,
+    tp_cli,
 )
 from kvserve.gateway import command as gateway_command
 from kvserve.ops import doctor_command
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     profile_cli.add_parser(benches)
     disagg_cli.add_parser(benches)
     preemption_cli.add_parser(benches)
+    tp_cli.add_parser(benches)
     attention_cli.add_parser(benches)
     router_cpu_cli.add_parser(benches)
     serve_command.add_parser(commands)

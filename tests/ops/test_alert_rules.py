@@ -1,8 +1,9 @@
 """The alert rules: promtool accepts them and their unit tests pass; every alert carries a
 severity and the annotations on-call reads; every alert has a firing case and a quiet case
-in deploy/prometheus/alerts_test.yml; and the groups keep their convention: `workers-*` rules
-read only what vLLM 0.32's own workers export (checked against its recorded /metrics), so they
-work on a plain vLLM fleet, and `kvserve-only-*` rules read kvserve's own worker series."""
+in deploy/prometheus/alerts_test.yml (or another *_test.yml there, one per rule group's owner);
+and the groups keep their convention: `workers-*` rules read only what vLLM 0.32's own workers
+export (checked against its recorded /metrics), so they work on a plain vLLM fleet, and
+`kvserve-only-*` rules read kvserve's own worker series."""
 
 from __future__ import annotations
 
@@ -17,11 +18,11 @@ from tests.ops.promql import exported_names, metric_names
 
 PROMETHEUS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 RULES = PROMETHEUS / "alerts.yml"
-RULE_TESTS = PROMETHEUS / "alerts_test.yml"
 VLLM_METRICS = Path(__file__).resolve().parents[1] / "data" / "vllm_metrics" / "burst.prom"
 # Informational alerts (route them to a dashboard, not a pager): what the fleet cannot be
 # alerted on, not something wrong.
 INFO_ALERTS = {"KVServeOnlyAlertsInactive"}
+ALL_RULE_TESTS = sorted(PROMETHEUS.glob("*_test.yml"))
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
@@ -39,7 +40,7 @@ def test_promtool_check_rules() -> None:
 
 
 def test_promtool_test_rules() -> None:
-    result = promtool("test", "rules", RULE_TESTS.name)
+    result = promtool("test", "rules", *(path.name for path in ALL_RULE_TESTS))
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -65,7 +66,7 @@ def test_every_alert_has_severity_and_runbook() -> None:
 def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
     firing: set[str] = set()
     quiet: set[str] = set()
-    for case in _load(RULE_TESTS)["tests"]:
+    for case in (c for path in ALL_RULE_TESTS for c in _load(path)["tests"]):
         for check in case.get("promql_expr_test", []):
             if "ALERTS{" in check["expr"] and 'alertstate="firing"' in check["expr"]:
                 firing.update(s["labels"].split('alertname="')[1].split('"')[0]

@@ -9,7 +9,7 @@ reads/writes context through a paged KV cache (see ``paged_attention``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,7 @@ from kvserve.model.paged_attention import KVCache, paged_attention
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary_
 
 Device = torch.device | str | None
+AllReduce = Callable[[torch.Tensor], torch.Tensor]  # sums a tensor over the tensor-parallel ranks
 
 
 class Attention(nn.Module):
@@ -113,13 +114,21 @@ class DecoderLayer(nn.Module):
                             **kw)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+        self.all_reduce: AllReduce | None = None  # set on tensor-parallel ranks
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """hidden [num_tokens, hidden] -> [num_tokens, hidden]."""
+        # Under tensor parallelism o_proj and down_proj are row-parallel: each rank's output is
+        # a partial sum, completed by one all_reduce before the residual add.
         attn = self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, attn_metadata)
+        if self.all_reduce is not None:
+            attn = self.all_reduce(attn)
         hidden, normed = self.post_attention_layernorm.add_and_norm(hidden, attn)
-        out: torch.Tensor = hidden + self.mlp(normed)
+        mlp = self.mlp(normed)
+        if self.all_reduce is not None:
+            mlp = self.all_reduce(mlp)
+        out: torch.Tensor = hidden + mlp
         return out
 
 
@@ -182,6 +191,12 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head = PackedLinear(self.lm_head.weight, None)
         if not self.config.tie_word_embeddings:
             drop_dense(self.lm_head)
+
+    def set_all_reduce(self, all_reduce: AllReduce | None) -> None:
+        """Make this a tensor-parallel rank's model (built from `shard_config`): each layer
+        completes its row-parallel outputs with `all_reduce`; None makes it single-rank."""
+        for layer in self.model.layers:
+            layer.all_reduce = all_reduce
 
     def tie_weights(self) -> None:
         """Share lm_head's weight with the embeddings when the config ties them (idempotent)."""

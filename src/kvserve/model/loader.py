@@ -11,7 +11,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from torch import nn
 from kvserve.model.config import ModelConfig
 from kvserve.model.errors import ModelLoadError
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.tensor_parallel import ShardSpec, TensorSlice, shard_config, tensor_slice
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -34,36 +35,41 @@ class LoadedModel:
     """A model in eval mode with its weights on ``device`` in ``dtype``, and where it came from."""
 
     path: Path
-    config: ModelConfig
+    config: ModelConfig  # the checkpoint's; the model runs `shard_config(config, shard)`
     model: LlamaForCausalLM
     eos_token_ids: tuple[int, ...]  # config.json's ids, then generation_config.json's extras
     dtype: torch.dtype
     device: torch.device
+    shard: ShardSpec = field(default_factory=lambda: ShardSpec(0, 1))
 
 
 def load_model(model: str | os.PathLike[str], *, device: torch.device | str = "cpu",
                dtype: torch.dtype | None = None, revision: str | None = None,
                cache_dir: str | os.PathLike[str] | None = None,
-               local_files_only: bool = False) -> LoadedModel:
+               local_files_only: bool = False, shard: ShardSpec | None = None) -> LoadedModel:
     """Resolve ``model``, build the network without allocating random weights, load it strictly.
 
     ``dtype=None`` means the checkpoint's dtype on accelerators and float32 on CPU (bf16/fp16
-    matmuls there are slow or inexact). Raises ``ModelLoadError`` for anything unusable.
+    matmuls there are slow or inexact). ``shard``: build and load only this tensor-parallel
+    rank's part (kvserve.model.tensor_parallel; each rank reads its slices of the same files).
+    Raises ``ModelLoadError`` for anything unusable (``ShardingError`` for an unfit split).
     """
+    shard = shard or ShardSpec(0, 1)
     path = resolve_model_path(model, revision=revision, cache_dir=cache_dir,
                               local_files_only=local_files_only)
     config = ModelConfig.from_file(path / "config.json")
     device = torch.device(device)
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else config.dtype
-    network = LlamaForCausalLM(config, dtype=dtype, device="meta")
+    network = LlamaForCausalLM(shard_config(config, shard), dtype=dtype, device="meta")
     network.to_empty(device=device)
     network.tie_weights()
-    load_weights(network, path)
+    load_weights(network, path, config, shard)
     network.eval().requires_grad_(False)
     network.fuse_projections()
     return LoadedModel(path=path, config=config, model=network,
-                       eos_token_ids=read_eos_token_ids(path, config), dtype=dtype, device=device)
+                       eos_token_ids=read_eos_token_ids(path, config), dtype=dtype, device=device,
+                       shard=shard)
 
 
 def resolve_model_path(model: str | os.PathLike[str], *, revision: str | None = None,
@@ -170,12 +176,16 @@ def checkpoint_files(path: Path) -> dict[str, Path]:
     raise ModelLoadError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE}{hint}")
 
 
-def load_weights(model: nn.Module, path: Path) -> None:
+def load_weights(model: nn.Module, path: Path, config: ModelConfig | None = None,
+                 shard: ShardSpec | None = None) -> None:
     """Copy every checkpoint tensor into the parameter of the same HF name (strict).
 
     Casts to each parameter's dtype and device. Nothing is copied unless names and shapes all
     match; otherwise ``ModelLoadError`` lists the missing, unexpected and mis-shaped tensors.
+    With `shard` (and the checkpoint's `config`), each parameter takes its rank's slice.
     """
+    shard = shard or ShardSpec(0, 1)
+    slices: dict[str, TensorSlice | None] = {}
     files = checkpoint_files(path)
     params = dict(model.named_parameters())  # tied parameters appear once, under the first name
     tied_lm_head = "lm_head.weight" not in params
@@ -192,6 +202,10 @@ def load_weights(model: nn.Module, path: Path) -> None:
         with _open_safetensors(file) as f:
             for name in names:
                 shape = list(f.get_slice(name).get_shape())
+                if config is not None:
+                    slices[name] = part = tensor_slice(name, shape, config, shard)
+                    if part is not None and not part.zero:
+                        shape[part.dim] = part.stop - part.start
                 if shape != list(params[name].shape):
                     mismatched.append(f"{name}: checkpoint {shape}, model "
                                       f"{list(params[name].shape)}")
@@ -209,7 +223,18 @@ def load_weights(model: nn.Module, path: Path) -> None:
         for file, names in by_file.items():
             with _open_safetensors(file) as f:
                 for name in names:
-                    params[name].copy_(f.get_tensor(name))
+                    params[name].copy_(_read(f, name, slices.get(name)))
+
+
+def _read(handle: Any, name: str, part: TensorSlice | None) -> torch.Tensor:
+    """The tensor `name`, or only this rank's `part` of it (read without the rest)."""
+    if part is None:
+        return handle.get_tensor(name)  # type: ignore[no-any-return]
+    view = handle.get_slice(name)
+    if part.zero:
+        return torch.zeros(list(view.get_shape()))
+    full = tuple(slice(None) for _ in range(part.dim))
+    return view[(*full, slice(part.start, part.stop))]  # type: ignore[no-any-return]
 
 
 @contextmanager

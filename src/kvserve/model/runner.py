@@ -13,12 +13,13 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from kvserve.engine import SampledToken, SchedulerOutput
+from kvserve.engine import Request, SampledToken, SchedulerOutput
 from kvserve.model.attention_metadata import AttentionMetadata
 from kvserve.model.host_kv import run_kv_transfers
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.paged_attention import KVCache
 from kvserve.model.sampler import Sampler
+from kvserve.model.step_plan import StepPlan
 
 
 class ModelRunner:
@@ -46,9 +47,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
         # Invariant: row r of the flattened batch is token `start + j` of its sequence, and its
-        # K/V lands in the slot its block table names for that position.
-        # Built with plain Python lists and one tensor each: per-step overhead stays small next
-        # to the model for decode-heavy batches of many short queries.
+        # K/V lands in the slot its block table names for that position (see StepPlan).
         if output.kv_transfers:
             assert self.host_kv_caches, "copies to a host tier this runner does not have"
             assert self.disk_kv_caches or not (output.kv_transfers.demotions
@@ -57,45 +56,40 @@ class ModelRunner:
                              self.disk_kv_caches)
         if not output.scheduled:
             return {}
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        sample_rows: list[int] = []
-        sample_requests = []
-        for item in output.scheduled:
-            start, end = item.start, item.start + item.num_new_tokens
-            table = item.block_table
-            input_ids.extend(item.token_ids)
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            query_start.append(len(input_ids))
-            seq_lens.append(end)
-            if item.sample:
-                sample_rows.append(len(input_ids) - 1)
-                sample_requests.append(item.request)
+        plan = StepPlan.from_output(output, self.block_size, step_id=0, with_checksum=False)
+        hidden = self.forward(plan)  # [num_tokens, hidden]
+        requests = [item.request for item in output.scheduled if item.sample]
+        return self.sample(hidden, plan, requests)
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Run the network over `plan` (writing its K/V) -> hidden [num_tokens, hidden]."""
         device = self.device
         meta = AttentionMetadata(
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            block_tables=_padded_tables([item.block_table for item in output.scheduled],
-                                        device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_cpu=tuple(query_start),
-            seq_lens_cpu=tuple(seq_lens),
-            block_tables_cpu=[item.block_table for item in output.scheduled],
+            query_start_loc=torch.tensor(plan.query_start, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(plan.seq_lens, dtype=torch.int32, device=device),
+            block_tables=_padded_tables(plan.block_tables, device),
+            slot_mapping=torch.tensor(plan.slot_mapping, dtype=torch.int64, device=device),
+            query_start_cpu=plan.query_start,
+            seq_lens_cpu=plan.seq_lens,
+            block_tables_cpu=plan.block_tables,
         )
-        tokens = torch.tensor(input_ids, dtype=torch.long, device=device)  # [num_tokens]
-        pos = torch.tensor(positions, dtype=torch.long, device=device)  # [num_tokens]
-        hidden = self.model(tokens, pos, self.kv_caches, meta)  # [num_tokens, hidden]
-        if not sample_rows:
+        tokens = torch.tensor(plan.input_ids, dtype=torch.long, device=device)  # [num_tokens]
+        pos = torch.tensor(plan.positions, dtype=torch.long, device=device)  # [num_tokens]
+        hidden: torch.Tensor = self.model(tokens, pos, self.kv_caches, meta)
+        return hidden
+
+    @torch.inference_mode()
+    def sample(self, hidden: torch.Tensor, plan: StepPlan,
+               requests: Sequence[Request]) -> dict[str, SampledToken]:
+        """Logits of `plan.sample_rows` of hidden [num_tokens, hidden], one token per request
+        (`requests` in the same order)."""
+        if not plan.sample_rows:
             return {}
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        rows = torch.tensor(plan.sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows])  # [num_samples, vocab]
-        sampled = self.sampler.sample(logits, sample_requests)
-        return {r.request_id: s for r, s in zip(sample_requests, sampled, strict=True)}
+        sampled = self.sampler.sample(logits, requests)
+        return {r.request_id: s for r, s in zip(requests, sampled, strict=True)}
 
     def release(self, request_ids: Iterable[str]) -> None:
         self.sampler.release(list(request_ids))

@@ -6,14 +6,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvserve.ops.collective_checks import (
+    CAUSES,
+    check_collectives,
+    differential,
+    is_tensor_parallel,
+)
 from kvserve.ops.findings import Finding, Problem, Report, Severity, TargetSummary
 from kvserve.ops.gateway_checks import check_gateway, fleet_hit_rate
 from kvserve.ops.scrape import Kind, Observation
 from kvserve.ops.worker_checks import block_size_of, check_worker, hit_rates
 
 # Within a severity: causes before symptoms (a leak before the audit that it fails).
-READING_ORDER = (Problem.DOWN, Problem.CORRUPTION, Problem.LEAK, Problem.THRASHING,
-                 Problem.SATURATION, Problem.AUDIT, Problem.MISCONFIGURATION, Problem.NOTE)
+READING_ORDER = (Problem.DOWN, Problem.COLLECTIVE, Problem.CORRUPTION, Problem.LEAK,
+                 Problem.THRASHING, Problem.SATURATION, Problem.AUDIT, Problem.MISCONFIGURATION,
+                 Problem.NOTE)
 
 
 def diagnose(observations: Sequence[Observation]) -> Report:
@@ -24,7 +31,7 @@ def diagnose(observations: Sequence[Observation]) -> Report:
         if obs.kind is Kind.GATEWAY:
             findings += check_gateway(obs, workers_behind(obs, workers))
         elif obs.kind.is_worker:
-            findings += check_worker(obs)
+            findings += with_differential(obs, check_worker(obs))
         elif obs.first.error or obs.second.error:
             findings.append(Finding(obs.url, Problem.DOWN, Severity.CRITICAL,
                                     "cannot read the target",
@@ -38,6 +45,18 @@ def diagnose(observations: Sequence[Observation]) -> Report:
     findings.sort(key=lambda f: (-f.severity, READING_ORDER.index(f.problem)))
     interval = max((o.interval_s for o in observations), default=0.0)
     return Report(interval, tuple(summarize(o, workers) for o in observations), tuple(findings))
+
+
+def with_differential(obs: Observation, found: list[Finding]) -> list[Finding]:
+    """A worker's findings, its collective checks, and (on a tensor-parallel worker or one with
+    a problem) the differential diagnosis that says which known cause it is and which not."""
+    if obs.second.metrics is None or obs.first.metrics is None:
+        return found
+    found = found + check_collectives(obs)
+    if is_tensor_parallel(obs) or any(f.problem in CAUSES and f.severity > Severity.INFO
+                                      for f in found):
+        found.append(differential(obs, found))
+    return found
 
 
 def workers_behind(gateway: Observation, workers: list[Observation]) -> list[Observation]:

@@ -19,6 +19,7 @@ class Severity(enum.IntEnum):
 class Problem(enum.StrEnum):
     """What kind of trouble a finding is (the three failures kvserve exists to prevent first)."""
 
+    COLLECTIVE = "collective"  # tensor-parallel: a failed or slow collective, a slow rank
     LEAK = "leak"
     CORRUPTION = "corruption"
     AUDIT = "audit"

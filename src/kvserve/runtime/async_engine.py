@@ -183,6 +183,7 @@ class AsyncEngine:
             while not self._stop:
                 self._apply_commands()
                 if not self.engine.has_unfinished:
+                    self.engine.check_ranks()  # a lost rank fails the worker even when idle
                     self.stats = self.engine.stats()
                     self._wakeup.wait(self._idle_wait_s)
                     self._wakeup.clear()
@@ -197,7 +198,18 @@ class AsyncEngine:
             failure = EngineDeadError(f"engine loop failed: {exc!r}")
             for request_id in list(self._streams):
                 self._deliver_error(request_id, failure)
+            self._release_all(str(failure))
             raise
+
+    def _release_all(self, error: str) -> None:
+        """After the loop died: end every request so no block stays held, publish the stats
+        that show it, stop any other tensor-parallel ranks."""
+        try:
+            self.engine.fail_all(error)
+            self.stats = self.engine.stats()
+        except Exception:
+            logging.getLogger(__name__).exception("could not release the requests' blocks")
+        self.engine.close()
 
     def _apply_commands(self) -> None:
         with self._lock:

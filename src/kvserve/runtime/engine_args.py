@@ -32,6 +32,10 @@ class EngineArgs:
     runs on a drain at most once per that many seconds (0: on every drain).
     `reuse_host_memory`: on CPU, make the C library keep freed memory for reuse instead of
     unmapping it (process-wide; see runtime/host_memory.py); False leaves the allocator alone.
+    `tensor_parallel_size` > 1 splits the model's heads and MLP over that many ranks, one
+    process each (kvserve.model.tensor_parallel, kvserve.runtime.tp_launch); the host and disk
+    tiers are single-rank only. `collective_timeout_s`: a collective that does not finish in
+    that many seconds fails the step and the worker instead of hanging.
     """
 
     model: str | None = None
@@ -56,6 +60,8 @@ class EngineArgs:
     onednn_linear: bool = True
     cpu_kernels: bool = True
     reuse_host_memory: bool = True
+    tensor_parallel_size: int = 1
+    collective_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -85,6 +91,16 @@ class EngineArgs:
         if self.preemption_mode == "swap" and not self.kv_host_tier_bytes:
             raise ValueError("swap preemption copies KV to the host tier, so it needs one; set "
                              "kv_host_tier_bytes > 0 or preemption_mode='recompute'")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got "
+                             f"{self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.kv_host_tier_bytes:
+            raise ValueError("the host and disk KV tiers are not supported with tensor "
+                             "parallelism yet; set kv_host_tier_bytes=0 or "
+                             "tensor_parallel_size=1")
+        if not self.collective_timeout_s > 0:
+            raise ValueError(f"collective_timeout_s must be positive, got "
+                             f"{self.collective_timeout_s}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 
@@ -110,12 +126,14 @@ class EngineArgs:
         return _num_slots("kv_disk_tier_bytes", self.kv_disk_tier_bytes, bytes_per_block)
 
     def resolve_num_threads(self) -> int:
+        """Torch threads of one rank: explicit, else the usable cores split over the ranks."""
         if self.num_threads is not None:
             return max(1, self.num_threads)
         try:
-            return max(1, len(os.sched_getaffinity(0)))
+            cores = len(os.sched_getaffinity(0))
         except AttributeError:  # not on Linux
-            return max(1, os.cpu_count() or 1)
+            cores = os.cpu_count() or 1
+        return max(1, cores // self.tensor_parallel_size)
 
 
 def _num_slots(name: str, num_bytes: int, bytes_per_block: int) -> int:

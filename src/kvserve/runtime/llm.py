@@ -26,6 +26,16 @@ class LLM:
         self.engine = LLMEngine.from_args(EngineArgs(model=model, **engine_args))
         self._next_id = 0
 
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks now (they also stop when this object goes)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     @property
     def tokenizer(self):  # type: ignore[no-untyped-def]
         return self.engine.tokenizer

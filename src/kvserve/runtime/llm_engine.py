@@ -8,6 +8,7 @@ blocks) → `step()` (schedule → run → sample → detokenize) → `RequestOu
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 
 from kvserve.engine import (
     EngineCore,
+    FinishReason,
     PreemptionMode,
     Request,
     RequestDelta,
@@ -25,25 +27,27 @@ from kvserve.engine import (
 )
 from kvserve.kvcache import AuditReport, KVCacheManager, KVCacheStats
 from kvserve.model import (
+    ModelConfig,
     Tokenizer,
     allocate_disk_kv_caches,
     allocate_host_kv_caches,
     allocate_kv_caches,
-    cpu_kernels,
     kv_cache_bytes_per_block,
-    load_model,
+    resolve_model_path,
 )
-from kvserve.model.onednn_linear import onednn_available
 from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
+from kvserve.model.tensor_parallel import ShardSpec, check_shardable
+from kvserve.runtime.collective_stats import CollectiveStats
 from kvserve.runtime.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.host_memory import reuse_freed_host_memory
 from kvserve.runtime.kv_event_log import KVEventLog
+from kvserve.runtime.model_setup import load_rank_model, rank_device
 from kvserve.runtime.outputs import CompletionOutput, RequestOutput
 from kvserve.runtime.step_tokens import StepTokenCounts, StepTokens
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from kvserve.runtime.tp_executor import TensorParallelExecutor
+from kvserve.runtime.tp_launch import RankGroup, Rendezvous
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,19 +94,40 @@ class LLMEngine:
         # Called on the engine thread as a request's final output leaves `step`, before the
         # next step can reuse its freed blocks (a prefill worker copies the KV out then).
         self._on_finish: dict[str, Callable[[RequestOutput], None]] = {}
+        self.collective_stats: CollectiveStats | None = None  # tensor parallelism only
 
     @classmethod
-    def from_args(cls, args: EngineArgs) -> LLMEngine:
-        """Load the model and tokenizer, size and allocate the KV cache, wire the engine."""
+    def from_args(cls, args: EngineArgs, rendezvous: Rendezvous | None = None) -> LLMEngine:
+        """Load the model and tokenizer, size and allocate the KV cache, wire the engine.
+
+        With `tensor_parallel_size` > 1 this process is rank 0: it starts the other ranks
+        (where `rendezvous`, default from the environment, says to) and drives them."""
         torch.set_num_threads(args.resolve_num_threads())
         if args.reuse_host_memory and torch.device(args.device).type == "cpu":
             reuse_freed_host_memory()
-        path = args.model or str(ensure_demo_model())
-        dtype = _DTYPES[args.dtype] if args.dtype else None
-        loaded = load_model(path, device=args.device, dtype=dtype)
+        world_size = args.tensor_parallel_size
+        group: RankGroup | None = None
+        if world_size > 1:
+            path = args.model or str(ensure_demo_model())
+            check_shardable(ModelConfig.from_file(resolve_model_path(path) / "config.json"),
+                            world_size)
+            group = RankGroup(args, rendezvous or Rendezvous.from_env(world_size))
+        try:
+            engine = cls._build(args, group)
+        except BaseException:
+            if group is not None:
+                group.stop()
+            raise
+        return engine
+
+    @classmethod
+    def _build(cls, args: EngineArgs, group: RankGroup | None) -> LLMEngine:
+        loaded = load_rank_model(args, ShardSpec(0, args.tensor_parallel_size),
+                                 rank_device(args.device, 0))
         tokenizer = Tokenizer.from_pretrained(loaded.path)
         config = loaded.config
-        bytes_per_block = kv_cache_bytes_per_block(config, args.block_size, loaded.dtype)
+        rank_config = loaded.model.config  # this rank's heads (all of them on one rank)
+        bytes_per_block = kv_cache_bytes_per_block(rank_config, args.block_size, loaded.dtype)
         num_blocks = args.resolve_num_blocks(bytes_per_block)
         num_host_slots = args.resolve_num_host_slots(bytes_per_block)
         num_disk_slots = args.resolve_num_disk_slots(bytes_per_block)
@@ -116,22 +141,22 @@ class LLMEngine:
                                   enable_events=True, model_id=name,
                                   num_host_slots=num_host_slots,
                                   num_disk_slots=num_disk_slots)
-        kv_caches = allocate_kv_caches(config, num_blocks, args.block_size, dtype=loaded.dtype,
-                                       device=loaded.device)
+        kv_caches = allocate_kv_caches(rank_config, num_blocks, args.block_size,
+                                       dtype=loaded.dtype, device=loaded.device)
         host_kv_caches = allocate_host_kv_caches(
-            config, num_host_slots, args.block_size, dtype=loaded.dtype,
+            rank_config, num_host_slots, args.block_size, dtype=loaded.dtype,
             pin_memory=torch.device(loaded.device).type == "cuda") if num_host_slots else []
-        disk = allocate_disk_kv_caches(config, num_disk_slots, args.block_size,
+        disk = allocate_disk_kv_caches(rank_config, num_disk_slots, args.block_size,
                                        dtype=loaded.dtype, path=args.kv_disk_tier_path
                                        ) if num_disk_slots and args.kv_disk_tier_path else None
-        cpu_kernels.set_enabled(args.cpu_kernels)
-        if args.cpu_kernels and loaded.device.type == "cpu":
-            cpu_kernels.available()  # build (or load) now, not inside the first request
-        if args.onednn_linear and onednn_available(loaded.device, loaded.dtype):
-            loaded.model.pack_for_onednn()
         runner = ModelRunner(loaded.model, kv_caches, args.block_size,
                              Sampler(args.seed, loaded.device), host_kv_caches,
                              disk.caches if disk else ())
+        executor: ModelRunner | TensorParallelExecutor = runner
+        collective_stats = None
+        if group is not None:
+            collective_stats = CollectiveStats(args.tensor_parallel_size)
+            executor = group.connect(runner, num_blocks, collective_stats)
         scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
                                               max_model_len, args.audit_interval_steps,
                                               args.idle_audit_interval_s,
@@ -141,9 +166,31 @@ class LLMEngine:
         engine = cls(args, tokenizer, core=None, kv_cache=kv_cache,  # type: ignore[arg-type]
                      model_name=name, max_model_len=max_model_len, eos_token_ids=eos)
         engine.model_path = Path(loaded.path)
-        engine.core = EngineCore(scheduler, runner, tokenizer, engine.clock,
+        engine.collective_stats = collective_stats
+        engine.core = EngineCore(scheduler, executor, tokenizer, engine.clock,
                                  on_audit=engine._record_audit)
+        if isinstance(executor, TensorParallelExecutor):
+            weakref.finalize(engine, executor.close)  # the other ranks never outlive rank 0
         return engine
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (idempotent; a no-op on one rank)."""
+        executor = self.core.executor
+        if isinstance(executor, TensorParallelExecutor):
+            executor.close()
+
+    def check_ranks(self) -> None:
+        """Raise CollectiveError (rank lost) if another tensor-parallel rank's process on this
+        node has exited; a no-op on one rank."""
+        executor = self.core.executor
+        if isinstance(executor, TensorParallelExecutor):
+            executor.check_ranks()
+
+    def fail_all(self, error: str) -> None:
+        """End every live request with `error`, freeing its blocks, without running a step
+        (the model can no longer run: a failed tensor-parallel group, a dead step loop)."""
+        for request in [*self.core.scheduler.running, *self.core.scheduler.waiting]:
+            self.core.scheduler.finish(request, FinishReason.ERROR, error=error)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -296,8 +343,11 @@ class LLMEngine:
 
     @property
     def runner(self) -> ModelRunner:
-        """The model runner (its device and host KV tensors)."""
+        """The model runner (its device and host KV tensors; rank 0's under tensor
+        parallelism)."""
         runner = self.core.executor
+        if isinstance(runner, TensorParallelExecutor):
+            return runner.runner
         assert isinstance(runner, ModelRunner), "an LLMEngine always runs a ModelRunner"
         return runner
 

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
-from typing import TYPE_CHECKING
+import sys
+import threading
+import time
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from kvserve.server.settings import ServerSettings, UntrustedSalt, WorkerRole
 
 if TYPE_CHECKING:  # torch and the engine load only for `serve` itself, not for every command
-    from kvserve.runtime import EngineArgs
+    from kvserve.runtime import AsyncEngine, EngineArgs
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,7 +56,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-audit-interval-s", type=float, default=60.0,
                    help="the idle check runs on every drain; the full audit on a drain at most "
                         "once per this many seconds (0: on every drain)")
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads per rank (default: the usable cores / ranks)")
+    p.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int,
+                   default=1, help="split the model over this many ranks, one process each "
+                   "(gloo on CPU, NCCL on CUDA); rank 0 serves HTTP (default 1)")
+    p.add_argument("--collective-timeout", dest="collective_timeout_s", type=float,
+                   default=60.0, help="seconds a collective may take before the step fails "
+                   "and the worker exits non-zero (tensor parallelism; default 60)")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="nodes the tensor-parallel ranks span (each runs "
+                        "tensor-parallel-size / nnodes ranks; set MASTER_ADDR and MASTER_PORT "
+                        "to rank 0's address on every node)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index; node 0 serves HTTP, the others only run ranks")
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -68,6 +85,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         dtype=args.dtype, device=args.device, seed=args.seed,
         audit_interval_steps=args.audit_interval_steps,
         idle_audit_interval_s=args.idle_audit_interval_s, num_threads=args.num_threads,
+        tensor_parallel_size=args.tensor_parallel_size,
+        collective_timeout_s=args.collective_timeout_s,
     )
 
 
@@ -135,6 +154,10 @@ def check_role(args: argparse.Namespace) -> None:
     role = WorkerRole(args.role)
     if role is WorkerRole.BOTH:
         return
+    if args.tensor_parallel_size > 1:
+        raise ValueError(f"--role {role.value} copies a prompt's KV from one process; with "
+                         "--tensor-parallel-size > 1 each rank holds part of it: use "
+                         "--role both")
     if not args.admin_key:
         raise ValueError(f"--role {role.value} needs --admin-key (or KVSERVE_ADMIN_KEY): it "
                          "authenticates the KV transfer between workers and the gateway's "
@@ -153,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.runtime import AsyncEngine, LLMEngine
+    from kvserve.runtime.tp_launch import Rendezvous, run_node
+    from kvserve.runtime.tp_worker import run_rank
     from kvserve.server.app import create_app
 
     console = Console(stderr=True)
@@ -160,9 +185,20 @@ def run(args: argparse.Namespace) -> int:
         check_security(args)
         check_role(args)
         engine_args = engine_args_from(args)
+        rendezvous = None
+        if engine_args.tensor_parallel_size > 1:
+            rendezvous = Rendezvous.from_env(engine_args.tensor_parallel_size, args.nnodes,
+                                             args.node_rank)
+            rank = int(os.environ.get("RANK", "0")) if rendezvous.launched else 0
+            if rank:  # torchrun started this process as a rank other than 0
+                return run_rank(engine_args, rank, rendezvous.world_size,
+                                int(os.environ.get("LOCAL_RANK", rank)),
+                                rendezvous.master_addr, rendezvous.master_port)
+            if rendezvous.node_rank:
+                return run_node(engine_args, rendezvous)
         with console.status(f"loading {args.model or 'the built-in demo model'} …"):
-            engine = LLMEngine.from_args(engine_args)
-    except (ValueError, OSError) as exc:
+            engine = LLMEngine.from_args(engine_args, rendezvous)
+    except (ValueError, OSError, RuntimeError) as exc:
         console.print(f"[red]cannot start: {exc}[/]", soft_wrap=True)
         return 2
     settings = ServerSettings(
@@ -175,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
         enable_api_docs=args.enable_api_docs, max_stop_sequences=args.max_stop_sequences,
         max_stop_chars=args.max_stop_chars,
     )
-    app = create_app(AsyncEngine(engine), settings)
+    async_engine = AsyncEngine(engine)
+    app = create_app(async_engine, settings)
     # This process serves one engine for its whole life: freeze what start-up built (the block
     # pool's num_blocks objects, the model's modules) so full collections stop walking it again
     # and again, which paused steps for hundreds of milliseconds. (Not done in LLMEngine: a
@@ -184,10 +221,12 @@ def run(args: argparse.Namespace) -> int:
     gc.freeze()
     url = f"http://{args.host}:{args.port}"
     stats = engine.kv_cache.stats()
+    tp = (f", {engine_args.tensor_parallel_size} tensor-parallel ranks"
+          if engine_args.tensor_parallel_size > 1 else "")
     where = (f"worker at {url}, behind the gateway at {args.behind_gateway}"
              if args.behind_gateway else f"serving [bold]{engine.model_name}[/] at {url}")
     console.print(f"[green]kvserve[/] {where} ({stats.num_blocks} KV blocks of "
-                  f"{stats.block_size} tokens, role {args.role})", soft_wrap=True)
+                  f"{stats.block_size} tokens, role {args.role}{tp})", soft_wrap=True)
     if not args.behind_gateway:
         auth = f" -H 'Authorization: Bearer {args.api_key}'" if args.api_key else ""
         console.print(f"try: curl {url}/v1/completions -H 'Content-Type: application/json'{auth} "
@@ -195,6 +234,37 @@ def run(args: argparse.Namespace) -> int:
                       f"\"max_tokens\": 16}}'", soft_wrap=True, highlight=False)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per KV pull
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=int(args.drain_timeout) + 1)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level="warning",
+                                           timeout_graceful_shutdown=int(args.drain_timeout) + 1))
+    threading.Thread(target=_exit_when_group_fails, args=(async_engine, server),
+                     name="kvserve-tp-watch", daemon=True).start()
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it drained on
+        server.run()
+    engine.close()
+    if _group_failed(async_engine):
+        console.print(f"[red]exiting: the tensor-parallel group failed: {async_engine.error}[/]",
+                      soft_wrap=True)
+        sys.stderr.flush()
+        os._exit(FAILED_GROUP_EXIT_CODE)  # skip teardown: a failed gloo group aborts in it
     return 0
+
+
+FAILED_GROUP_EXIT_CODE = 3
+FAILED_GROUP_GRACE_S = 5.0  # /health answers 503 this long before the worker exits
+
+
+def _group_failed(engine: AsyncEngine) -> bool:
+    from kvserve.runtime.tp_comm import TensorParallelError
+
+    return isinstance(engine.error, TensorParallelError)
+
+
+def _exit_when_group_fails(engine: AsyncEngine, server: Any) -> None:
+    """A failed tensor-parallel group cannot be repaired in place: once the engine loop has
+    ended every request with the error, keep reporting unhealthy for a grace period (so
+    probes and scrapes see why), then stop the server; `run` exits non-zero."""
+    while not _group_failed(engine):
+        time.sleep(0.1)
+    time.sleep(FAILED_GROUP_GRACE_S)
+    server.should_exit = True

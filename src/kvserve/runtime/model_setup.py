@@ -1,0 +1,32 @@
+"""Load one rank's model ready to serve: the same steps on rank 0 and on every other rank."""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.model import LoadedModel, cpu_kernels, load_model
+from kvserve.model.onednn_linear import onednn_available
+from kvserve.model.tensor_parallel import ShardSpec
+from kvserve.runtime.demo_model import ensure_demo_model
+from kvserve.runtime.engine_args import EngineArgs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def rank_device(device: str, local_rank: int) -> str:
+    """A bare "cuda" means this node's GPU `local_rank` (one GPU per rank); else unchanged."""
+    return f"cuda:{local_rank}" if device == "cuda" else device
+
+
+def load_rank_model(args: EngineArgs, shard: ShardSpec, device: str) -> LoadedModel:
+    """Load `shard` of the model on `device`, with the CPU kernels and oneDNN packing applied
+    as `args` asks (built now, not inside the first request)."""
+    path = args.model or str(ensure_demo_model())
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    loaded = load_model(path, device=device, dtype=dtype, shard=shard)
+    cpu_kernels.set_enabled(args.cpu_kernels)
+    if args.cpu_kernels and loaded.device.type == "cpu":
+        cpu_kernels.available()
+    if args.onednn_linear and onednn_available(loaded.device, loaded.dtype):
+        loaded.model.pack_for_onednn()
+    return loaded

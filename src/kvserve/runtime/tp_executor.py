@@ -1,0 +1,136 @@
+"""Running one step on every tensor-parallel rank: rank 0's executor and the other ranks' loop.
+
+Rank 0 owns the scheduler and the KV-cache manager. Each step it flattens the scheduler's output
+to a `StepPlan` (plain data), broadcasts it, and all ranks check in one all_gather that they
+hold the same step id and block-table checksum before any K/V is written; a divergent rank is a
+`RankDivergenceError` and the step is not run. Then every rank runs the forward pass over its
+heads (two all_reduces per layer) and rank 0 alone computes logits and samples. The same
+all_gather carries each rank's compute time of the previous step, the source of the rank-skew
+metric.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable
+from typing import Protocol
+
+from kvserve.engine import SampledToken, SchedulerOutput
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.runner import ModelRunner
+from kvserve.model.step_plan import StepPlan, layout_checksum
+from kvserve.runtime.collective_stats import CollectiveErrorKind, CollectiveStats
+from kvserve.runtime.tp_comm import CollectiveError, Communicator, RankDivergenceError
+from kvserve.runtime.tp_faults import Fault
+
+
+class RankSupervisor(Protocol):
+    """Whoever started the other ranks: stops them when rank 0 closes."""
+
+    def stop(self) -> None: ...
+
+    def lost_rank(self) -> tuple[int, int] | None:
+        """(rank, exit code) of a rank process that has exited, if any."""
+
+
+def check_step(comm: Communicator, step_id: int, checksum: int, prev_compute_ns: int,
+               stats: CollectiveStats | None = None) -> list[int]:
+    """All-gather (step id, checksum, previous step's compute ns) and compare every rank with
+    rank 0; raises RankDivergenceError on every rank if one differs. Returns the compute ns."""
+    rows = comm.all_gather_ints([step_id, checksum, prev_compute_ns])
+    ref_step, ref_checksum, _ = rows[0]
+    for rank, (got_step, got_checksum, _) in enumerate(rows):
+        if got_step != ref_step or got_checksum != ref_checksum:
+            if stats is not None:
+                stats.divergence()
+            comm.failed = True
+            raise RankDivergenceError(rank, ref_step, got_step, ref_checksum, got_checksum)
+    return [row[2] for row in rows]
+
+
+class TensorParallelExecutor:
+    """The engine's `ModelExecutor` on rank 0 of a tensor-parallel group."""
+
+    def __init__(self, runner: ModelRunner, comm: Communicator, stats: CollectiveStats,
+                 supervisor: RankSupervisor) -> None:
+        self.runner = runner
+        self.comm = comm
+        self.stats = stats
+        self.supervisor = supervisor
+        self._prev_compute_ns = 0
+        self._closed = False
+
+    @property
+    def model(self) -> LlamaForCausalLM:
+        return self.runner.model
+
+    def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
+        # Invariant: every rank runs the plan rank 0 built, or none does (check_step first).
+        assert not output.kv_transfers, "tensor parallelism runs without host/disk KV tiers"
+        if not output.scheduled:
+            return {}
+        begin = time.perf_counter()
+        comm = self.comm
+        comm.reset_wait()
+        comm.step_id += 1
+        plan = StepPlan.from_output(output, self.runner.block_size, comm.step_id)
+        comm.broadcast_object(plan)
+        computes = check_step(comm, plan.step_id, plan.checksum, self._prev_compute_ns,
+                              self.stats)
+        if comm.step_id > 1:
+            self.stats.observe_compute([ns / 1e9 for ns in computes])
+        hidden = self.runner.forward(plan)  # [num_tokens, hidden]
+        requests = [item.request for item in output.scheduled if item.sample]
+        sampled = self.runner.sample(hidden, plan, requests)
+        self._prev_compute_ns = int((time.perf_counter() - begin - comm.wait_s) * 1e9)
+        return sampled
+
+    def release(self, request_ids: Iterable[str]) -> None:
+        self.runner.release(request_ids)
+
+    def check_ranks(self) -> None:
+        """Between steps: raise CollectiveError if a rank's process is gone."""
+        lost = self.supervisor.lost_rank()
+        if lost is not None:
+            rank, code = lost
+            self.comm.failed = True
+            self.stats.error("heartbeat", CollectiveErrorKind.RANK_LOST)
+            raise CollectiveError("heartbeat", CollectiveErrorKind.RANK_LOST, self.comm.step_id,
+                                  rank, f"rank {rank}'s process exited with code {code}")
+
+    def close(self) -> None:
+        """Tell the other ranks to exit (if the group still works), then make sure they did.
+        Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self.comm.failed:
+            with contextlib.suppress(RuntimeError):
+                self.comm.broadcast_object(None)
+        self.supervisor.stop()
+
+
+def serve_rank(comm: Communicator, runner: ModelRunner, fault: Fault | None = None) -> None:
+    """A rank other than 0: run every plan rank 0 broadcasts until it sends None. Raises
+    TensorParallelError (divergence, a failed collective) when the group cannot go on."""
+    prev_compute_ns = 0
+    expected_step = 1
+    while True:
+        plan = comm.broadcast_object(None)
+        if plan is None:
+            return
+        assert isinstance(plan, StepPlan)
+        begin = time.perf_counter()
+        comm.reset_wait()
+        comm.step_id = plan.step_id
+        if fault is not None:
+            plan = fault.before_check(comm.rank, plan)
+        checksum = layout_checksum(plan.block_tables, plan.slot_mapping)
+        step_id = plan.step_id if plan.step_id == expected_step else expected_step
+        check_step(comm, step_id, checksum, prev_compute_ns)
+        if fault is not None:
+            fault.before_forward(comm.rank, plan)
+        runner.forward(plan)
+        expected_step += 1
+        prev_compute_ns = int((time.perf_counter() - begin - comm.wait_s) * 1e9)
