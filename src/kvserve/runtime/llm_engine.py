@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.chat_template import template_argument
 from kvserve.engine import (
     EngineCore,
     PreemptionMode,
@@ -37,9 +38,14 @@ from kvserve.model.onednn_linear import onednn_available
 from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
 from kvserve.runtime.demo_model import DEMO_MODEL_NAME, ensure_demo_model
-from kvserve.runtime.engine_args import EngineArgs
+from kvserve.runtime.engine_args import EngineArgs, kv_cache_dtype_name
 from kvserve.runtime.host_memory import reuse_freed_host_memory
 from kvserve.runtime.kv_event_log import KVEventLog
+from kvserve.runtime.memory_budget import (
+    device_memory_bytes,
+    kv_bytes_for_utilization,
+    model_bytes,
+)
 from kvserve.runtime.outputs import CompletionOutput, RequestOutput
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -95,11 +101,24 @@ class LLMEngine:
             reuse_freed_host_memory()
         path = args.model or str(ensure_demo_model())
         dtype = _DTYPES[args.dtype] if args.dtype else None
-        loaded = load_model(path, device=args.device, dtype=dtype)
-        tokenizer = Tokenizer.from_pretrained(loaded.path)
+        template = template_argument(args.chat_template) if args.chat_template else None
+        loaded = load_model(path, device=args.device, dtype=dtype, revision=args.revision,
+                            cache_dir=args.download_dir)
+        tokenizer = Tokenizer.from_pretrained(loaded.path, chat_template=template)
         config = loaded.config
+        kv_dtype = kv_cache_dtype_name(args.kv_cache_dtype)
+        if kv_dtype is not None and _DTYPES[kv_dtype] != loaded.dtype:
+            raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} differs from the model's "
+                             f"dtype ({str(loaded.dtype).removeprefix('torch.')}): kvserve's "
+                             "attention reads the KV cache in the model's dtype; pass the same "
+                             "--dtype, or --kv-cache-dtype auto")
         bytes_per_block = kv_cache_bytes_per_block(config, args.block_size, loaded.dtype)
-        num_blocks = args.resolve_num_blocks(bytes_per_block)
+        utilization_bytes = None
+        if args.gpu_memory_utilization is not None:
+            utilization_bytes = kv_bytes_for_utilization(
+                args.gpu_memory_utilization, device_memory_bytes(loaded.device),
+                model_bytes(loaded.model))
+        num_blocks = args.resolve_num_blocks(bytes_per_block, utilization_bytes)
         num_host_slots = args.resolve_num_host_slots(bytes_per_block)
         num_disk_slots = args.resolve_num_disk_slots(bytes_per_block)
         max_model_len = args.max_model_len or config.max_position_embeddings
@@ -171,6 +190,8 @@ class LLMEngine:
                              "be 1 and the worker needs a host tier)")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]  # vLLM's: keep the tail
         arrival = self.clock() if arrival_time is None else arrival_time
         children = [
             Request(
@@ -264,8 +285,11 @@ class LLMEngine:
         output.num_cached_tokens = max(output.num_cached_tokens, delta.num_cached_tokens)
         if delta.new_token_ids and output.first_token_time is None:
             output.first_token_time = self.clock()
+        if delta.prompt_logprobs is not None and output.prompt_logprobs is None:
+            output.prompt_logprobs = list(delta.prompt_logprobs)
         if delta.finished:
             completion.finish_reason = delta.finish_reason
+            completion.stop_reason = delta.stop_reason
             completion.error = delta.error
             del self._child_of[delta.request_id]
         return output

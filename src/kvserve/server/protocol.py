@@ -87,7 +87,8 @@ class _SamplingFields(BaseModel):
             raise ValueError("at most 16 stop sequences are allowed")
         return stops
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, *,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError naming the parameter when a value is out of range."""
         temperature = 1.0 if self.temperature is None else self.temperature
         if 0.0 <= temperature < MIN_SAMPLING_TEMPERATURE:
@@ -112,6 +113,7 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
         )
 
