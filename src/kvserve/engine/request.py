@@ -41,11 +41,14 @@ _OPENAI_NAMES = {
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """The sampled token's logprob and the top alternatives, best first."""
+    """The sampled token's logprob and the top alternatives, best first. `rank`: the token's
+    place among all tokens by logprob (1 = the most likely), where it was computed (prompt
+    logprobs)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(slots=True, eq=False)

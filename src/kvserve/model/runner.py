@@ -123,6 +123,7 @@ class ModelRunner:
             logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
             targets = request.prompt_token_ids[item.start + 1 : end + 1]
             chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])
+            ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # [rows]
             top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
             entries = []
             for row, (position, token_id) in enumerate(zip(range(item.start + 1, end + 1),
@@ -131,7 +132,8 @@ class ModelRunner:
                 if top_ids is not None and top_values is not None:
                     top = tuple(zip(top_ids[row].tolist(), top_values[row].tolist(),
                                     strict=True))
-                entries.append((position, TokenLogprob(token_id, float(chosen[row, 0]), top)))
+                entries.append((position, TokenLogprob(token_id, float(chosen[row, 0]), top,
+                                                       ranks[row])))
             found[request.request_id] = entries
         return found
 

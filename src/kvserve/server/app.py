@@ -157,9 +157,11 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         # echo with max_tokens 0 scores the prompt alone (loglikelihood evaluations): one
         # token is sampled, as the engine always does, and not shown.
         generate = not (body.echo and body.max_tokens == 0)
-        params = body.sampling_params(
-            body.max_tokens if generate else 1, body.logprobs,
-            prompt_logprobs=body.logprobs if body.echo and body.logprobs is not None else None)
+        scored = body.prompt_logprobs
+        if scored is None and body.echo and body.logprobs is not None:
+            scored = body.logprobs  # the echoed prompt's logprobs, as vLLM
+        params = body.sampling_params(body.max_tokens if generate else 1, body.logprobs,
+                                      prompt_logprobs=scored)
         prompts = body.prompts()
         pull_from = pull_source(raw)
         call = serving.begin(raw, body.model, body.cache_salt)

@@ -72,6 +72,28 @@ def echo_logprobs(tokenizer: Tokenizer, output: RequestOutput) -> dict[str, Any]
             "text_offset": [0, *rest["text_offset"]]}
 
 
+def prompt_logprobs(tokenizer: Tokenizer, output: RequestOutput) -> list[Any] | None:
+    """vLLM's `prompt_logprobs` of a choice: per prompt token (None for the first) a map of
+    token id -> logprob, rank and text, for the token itself and the top alternatives."""
+    if output.prompt_logprobs is None:
+        return None
+
+    def entry(logprob: float, rank: int | None, token_id: int) -> dict[str, Any]:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+        return {"logprob": logprob, "rank": rank, "decoded_token": text}
+
+    out: list[Any] = []
+    for lp in output.prompt_logprobs:
+        if lp is None:
+            out.append(None)
+            continue
+        found = {str(lp.token_id): entry(lp.logprob, lp.rank, lp.token_id)}
+        for i, (token_id, value) in enumerate(lp.top):
+            found.setdefault(str(token_id), entry(value, i + 1, token_id))
+        out.append(found)
+    return out
+
+
 def _joined(head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
     """Two completions logprobs objects, `tail`'s offsets after `head`'s text."""
     return {key: head[key] + tail[key] for key in head}
@@ -107,10 +129,6 @@ class _StreamCursor:
         self._sent: dict[Any, tuple[int, int, int]] = {}  # key -> (chars, tokens, logprobs)
         self._ended: set[Any] = set()
 
-    def sent_chars(self, key: Any) -> int:
-        """How much of the sample's text went out already."""
-        return self._sent.get(key, (0, 0, 0))[0]
-
     def take(self, key: Any, c: CompletionOutput) -> _Delta:
         reason = c.finish_reason
         text, num_tokens, logprobs = c.text, len(c.token_ids), c.logprobs[:]
@@ -138,6 +156,15 @@ class CompletionFormatter:
         self.generate = generate  # False: echo only (max_tokens 0), the sample is not shown
         self._cursor = _StreamCursor()
         self._echoed: set[Any] = set()
+        self._offsets: dict[Any, int] = {}  # per streamed sample: the next token's text_offset
+
+    def _prompt_chars(self, output: RequestOutput) -> int:
+        """Where the echoed prompt's text ends, as its logprobs' offsets count it (the
+        prompt's tokens decoded one by one; the text sent, without logprobs)."""
+        if not self.want_logprobs:
+            return len(echo_text(self.tokenizer, output))
+        head = echo_logprobs(self.tokenizer, output)
+        return int(head["text_offset"][-1] + len(head["tokens"][-1]))
 
     def _text_and_logprobs(self, output: RequestOutput, text: str,
                            logprobs: Sequence[TokenLogprob], with_prompt: bool,
@@ -150,8 +177,8 @@ class CompletionFormatter:
             prompt = echo_text(self.tokenizer, output)
             if self.want_logprobs:
                 head = echo_logprobs(self.tokenizer, output)
-                end = head["text_offset"][-1] + len(head["tokens"][-1])
-                lps = _joined(head, completion_logprobs(self.tokenizer, logprobs, end))
+                lps = _joined(head, completion_logprobs(self.tokenizer, logprobs,
+                                                        self._prompt_chars(output)))
             return prompt + text, lps
         if self.want_logprobs:
             lps = completion_logprobs(self.tokenizer, logprobs, text_start)
@@ -169,7 +196,7 @@ class CompletionFormatter:
                 choices.append({
                     "index": p * self.n + c.index, "text": text, "logprobs": logprobs,
                     "finish_reason": finish_reason(c), "stop_reason": c.stop_reason,
-                    "prompt_logprobs": None,
+                    "prompt_logprobs": prompt_logprobs(self.tokenizer, output),
                 })
         return self._head() | {"choices": choices, "usage": usage(outputs),
                                "system_fingerprint": SYSTEM_FINGERPRINT, "service_tier": None}
@@ -178,16 +205,15 @@ class CompletionFormatter:
         choices = []
         for c in output.outputs:
             key = (prompt_idx, c.index)
-            sent = self._cursor.sent_chars(key)
             delta = self._cursor.take(key, c)
             if not (delta.text or delta.has_new_tokens or delta.ended):
                 continue
             with_prompt = self.echo and key not in self._echoed
             self._echoed.add(key)
-            if self.echo:
-                sent += len(echo_text(self.tokenizer, output))
             text, logprobs = self._text_and_logprobs(output, delta.text, delta.logprobs,
-                                                     with_prompt, sent)
+                                                     with_prompt, self._offsets.get(key, 0))
+            if logprobs and logprobs["tokens"]:  # offsets run on over the tokens' texts
+                self._offsets[key] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
             if not (text or logprobs or delta.ended):
                 continue
             choices.append({
