@@ -111,6 +111,34 @@ def read_template_sources(path: str | Path) -> tuple[str | None, str | None, str
             _token_text(config.get("eos_token")))
 
 
+def open_final_message(text: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """A rendered conversation cut right after the last message's content, dropping the
+    end-of-turn the template wrote after it: the model continues that message (vLLM's and
+    transformers' `continue_final_message`). ChatTemplateError when the content is not there."""
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str) or not content or content not in text:
+        raise ChatTemplateError("continue_final_message needs the last message's text content "
+                                "in the rendered prompt")
+    return text[: text.rindex(content) + len(content)]
+
+
+def template_argument(value: str) -> str:
+    """A `--chat-template` value as template source: the file it names, else the value itself
+    when it is a Jinja template (vLLM's rule). ChatTemplateLoadError for neither."""
+    path = Path(value)
+    try:
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+    except OSError as exc:  # e.g. a template too long to be a file name
+        if "{" not in value:
+            raise ChatTemplateLoadError(f"--chat-template {value}: cannot read it ({exc})") \
+                from exc
+    if "{{" in value or "{%" in value:
+        return value
+    raise ChatTemplateLoadError(f"--chat-template {value!r}: no such file, and not a Jinja "
+                                "template either; give a .jinja file's path or the template")
+
+
 def _compile(source: str | None) -> jinja2.Template | None:
     if source is None:
         return None

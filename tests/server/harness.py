@@ -35,7 +35,10 @@ class ServerProcess:
     """One `kvserve serve` subprocess; stdout and stderr go to `log_path`."""
 
     def __init__(self, model_dir: Path, work_dir: Path, flags: Sequence[str] = (),
-                 api_key: str | None = None, admin_key: str | None = ADMIN_KEY) -> None:
+                 api_key: str | None = None, admin_key: str | None = ADMIN_KEY,
+                 command: Sequence[str] | None = None) -> None:
+        """`command`: the whole `kvserve serve` line instead of `--model model_dir`, the base
+        flags and `flags` (the loopback host and a free port are appended to it)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -46,9 +49,12 @@ class ServerProcess:
         env.pop("KVSERVE_ADMIN_KEY", None)
         argv = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(model_dir),
                 "--host", "127.0.0.1", "--port", str(self.port), *BASE_FLAGS, *flags]
+        if command is not None:
+            argv = [sys.executable, "-m", "kvserve.cli", "serve", *command,
+                    "--host", "127.0.0.1", "--port", str(self.port)]
         if api_key is not None:
             argv += ["--api-key", api_key]
-        if admin_key is not None:
+        if admin_key is not None and command is None:  # a given line runs as it is
             argv += ["--admin-key", admin_key]
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)

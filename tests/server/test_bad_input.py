@@ -107,7 +107,7 @@ CASES = [
     Case("huge-max-tokens", 400, completion(max_tokens=10**30), says="maximum context length"),
     # unsupported
     Case("suffix", 400, completion(suffix="!"), param="suffix"),
-    Case("echo", 400, completion(echo=True), param="echo"),
+    Case("max-tokens-zero-without-echo", 400, completion(max_tokens=0), says="max_tokens"),
     Case("best-of", 400, completion(n=1, best_of=3), param="best_of"),
     # wrong model, route, method, size
     Case("unknown-model", 404, completion(model="gpt-4"), param="model", says="gpt-4"),
@@ -124,6 +124,9 @@ CASES = [
          on_auth_server=True),
     Case("not-bearer", 401, GOOD, headers={"Authorization": API_KEY}, on_auth_server=True),
     Case("models-without-key", 401, None, path="/v1/models", method="GET",
+         on_auth_server=True),
+    Case("tokenize-without-key", 401, {"prompt": "x"}, path="/tokenize", on_auth_server=True),
+    Case("detokenize-without-key", 401, {"tokens": [5]}, path="/detokenize",
          on_auth_server=True),
     Case("chat-without-key", 401, GOOD_CHAT, path=CHAT, on_auth_server=True),
     Case("debug-kv-without-key", 401, None, path="/debug/kv", method="GET",

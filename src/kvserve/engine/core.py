@@ -35,6 +35,11 @@ class ModelExecutor(Protocol):
     def release(self, request_ids: Iterable[str]) -> None:
         """Forget per-request state (sampling generators) of requests that ended."""
 
+    def take_prompt_logprobs(self) -> dict[str, list[tuple[int, TokenLogprob]]]:
+        """The last step's prompt logprobs, per request asking for them: (prompt position,
+        logprob of the prompt token there and the top alternatives). Asked only after a step
+        that ran a prefill chunk of such a request."""
+
 
 @dataclass(frozen=True, slots=True)
 class RequestDelta:
@@ -51,6 +56,9 @@ class RequestDelta:
     error: str | None = None
     scheduled_time: float | None = None  # when the request first ran (engine clock)
     num_preemptions: int = 0
+    stop_reason: str | int | None = None
+    # Set once, on the delta of the request's first output token (its prompt is done).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 class EngineCore:
@@ -75,8 +83,10 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Queue a request; raises ValueError (nothing queued) if it can never run."""
         self.scheduler.add_request(request)
-        if self.decoder is not None:
-            params = request.sampling_params
+        params = request.sampling_params
+        if params.prompt_logprobs is not None and not request.prompt_logprobs:
+            request.prompt_logprobs.append(None)  # the first token has nothing before it
+        if self.decoder is not None and params.detokenize:
             self._detokenizers[request.request_id] = IncrementalDetokenizer(
                 self.decoder, request.prompt_token_ids, params.stop,
                 params.include_stop_str_in_output, params.skip_special_tokens,
@@ -105,12 +115,24 @@ class EngineCore:
                 for request in self.scheduler.abandon_step(out, f"the model step failed: {exc!r}"):
                     self._pending[request.request_id] = self._final_delta(request, (), (), "")
                 raise
+            if any(item.request.sampling_params.prompt_logprobs is not None
+                   and item.start < item.request.num_prompt_tokens for item in out.scheduled):
+                self._store_prompt_logprobs(self.executor.take_prompt_logprobs())
             now = self.clock()
             for request in self.scheduler.commit_step(out):
                 deltas.append(self._apply(request, sampled[request.request_id], now))
         self._release_finished(deltas)
         self._check_integrity()
         return deltas
+
+    def _store_prompt_logprobs(self, found: dict[str, list[tuple[int, TokenLogprob]]]) -> None:
+        for request_id, entries in found.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is None:
+                continue
+            for position, logprob in entries:
+                if position == len(request.prompt_logprobs):  # else a recompute: kept already
+                    request.prompt_logprobs.append(logprob)
 
     def _apply(self, request: Request, token: SampledToken, now: float) -> RequestDelta:
         if request.first_token_time is None:
@@ -121,13 +143,19 @@ class EngineCore:
         text = detok.add_token(token.token_id) if detok is not None else ""
         reason = self._stop_reason(request, detok)
         new_logprobs = (token.logprob,) if token.logprob is not None else ()
+        prompt_logprobs = None
+        if len(request.output_token_ids) == 1 and request.sampling_params.prompt_logprobs \
+                is not None:
+            prompt_logprobs = tuple(request.prompt_logprobs)
         if reason is None:
             return RequestDelta(request.request_id, (token.token_id,), text, new_logprobs, False,
                                 None, request.num_prompt_tokens, request.num_cached_tokens,
                                 scheduled_time=request.scheduled_time,
-                                num_preemptions=request.num_preemptions)
+                                num_preemptions=request.num_preemptions,
+                                prompt_logprobs=prompt_logprobs)
         self.scheduler.finish(request, reason)
-        return self._final_delta(request, (token.token_id,), new_logprobs, text)
+        return self._final_delta(request, (token.token_id,), new_logprobs, text,
+                                 prompt_logprobs)
 
     def _stop_reason(
         self, request: Request, detok: IncrementalDetokenizer | None
@@ -136,11 +164,13 @@ class EngineCore:
         num_out = len(request.output_token_ids)
         last = request.output_token_ids[-1]
         if detok is not None and detok.stopped:
+            request.stop_reason = detok.matched_stop
             return FinishReason.STOP
         if num_out >= params.min_tokens:
             if not params.ignore_eos and last in request.eos_token_ids:
                 return FinishReason.STOP
             if last in params.stop_token_ids:
+                request.stop_reason = last
                 return FinishReason.STOP
         if params.max_tokens is not None and num_out >= params.max_tokens:
             return FinishReason.LENGTH
@@ -154,6 +184,7 @@ class EngineCore:
         token_ids: tuple[int, ...],
         logprobs: tuple[TokenLogprob, ...],
         text: str,
+        prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None,
     ) -> RequestDelta:
         detok = self._detokenizers.pop(request.request_id, None)
         if detok is not None:
@@ -161,7 +192,8 @@ class EngineCore:
         return RequestDelta(request.request_id, token_ids, text, logprobs, True,
                             request.finish_reason, request.num_prompt_tokens,
                             max(request.num_cached_tokens, 0), request.error,
-                            request.scheduled_time, request.num_preemptions)
+                            request.scheduled_time, request.num_preemptions,
+                            request.stop_reason, prompt_logprobs)
 
     def _release_finished(self, deltas: list[RequestDelta]) -> None:
         finished = [d.request_id for d in deltas if d.finished]

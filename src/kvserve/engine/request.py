@@ -15,8 +15,9 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(enum.Enum):
-    """Why a request ended; `openai_name` is what the API reports."""
+class FinishReason(enum.StrEnum):
+    """Why a request ended; `openai_name` is what the API reports. A string enum, so code
+    written for vLLM's string reasons (`== "length"`) reads it unchanged."""
 
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the model's context
@@ -40,11 +41,14 @@ _OPENAI_NAMES = {
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprob:
-    """The sampled token's logprob and the top alternatives, best first."""
+    """The sampled token's logprob and the top alternatives, best first. `rank`: the token's
+    place among all tokens by logprob (1 = the most likely), where it was computed (prompt
+    logprobs)."""
 
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -74,6 +78,11 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens served from cache at first admission; -1 before
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    # vLLM's `stop_reason`: the stop string or stop token id that ended it (None: EOS, length).
+    stop_reason: str | int | None = None
+    # With `prompt_logprobs`: entry p for prompt token p (None for the first), filled as its
+    # prefill chunks run; a recomputed chunk finds its entries already there.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     error: str | None = None
     first_token_time: float | None = None
     scheduled_time: float | None = None  # first admitted to the running batch (engine clock)

@@ -13,7 +13,12 @@ class SamplingParams:
 
     `temperature == 0` is greedy. `seed` makes sampling reproducible whatever else is in the
     batch. `stop` strings never appear in the output, nor does a partial one while streaming.
-    `logprobs=k` returns the sampled token's logprob and the top k alternatives per token.
+    `logprobs=k` returns the sampled token's logprob and the top k alternatives per token;
+    `prompt_logprobs=k` the same for every prompt token after the first (such a request takes
+    no prefix-cache hit: a cached token has no logits). `detokenize=False` returns token ids
+    only (no text, so no stop strings). `truncate_prompt_tokens=k` keeps the prompt's last k
+    tokens. `best_of` is accepted only equal to `n` (kvserve returns every sample it draws).
+    `spaces_between_special_tokens` must stay True: the fast tokenizer's decoder decides.
     """
 
     n: int = 1
@@ -33,6 +38,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    truncate_prompt_tokens: int | None = None
+    best_of: int | None = None
+    spaces_between_special_tokens: bool = True
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +83,18 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
             (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}"),
+            (self.detokenize or not self.stop,
+             "stop strings need detokenize=True (use stop_token_ids without text)"),
+            (self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1,
+             f"truncate_prompt_tokens must be at least 1, got {self.truncate_prompt_tokens}"),
+            (self.best_of is None or self.best_of == self.n,
+             f"best_of ({self.best_of}) must equal n ({self.n}) or be left out: kvserve "
+             "returns every sample it draws and does not rank them"),
+            (self.spaces_between_special_tokens,
+             "spaces_between_special_tokens=False is not supported: the fast tokenizer's "
+             "decoder joins special tokens as tokenizer.json says; leave it True"),
         ]
         for ok, message in checks:
             if not ok:

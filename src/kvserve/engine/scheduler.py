@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.config import PreemptionMode, SchedulerConfig
 from kvserve.engine.request import FinishReason, Request, RequestStatus
-from kvserve.kvcache import AuditReport, CacheCorruption, FreeReason, KVCacheManager, KVTransfers
+from kvserve.kvcache import (
+    AuditReport,
+    CacheCorruption,
+    FreeReason,
+    KVCacheManager,
+    KVTransfers,
+    PrefixHit,
+)
 
 _FREE_REASONS = {
     FinishReason.STOP: FreeReason.FINISHED,
@@ -174,7 +181,10 @@ class Scheduler:
             if not kv.has_request(request.request_id):
                 kv.add_request(request.request_id, request.all_token_ids,
                                cache_salt=request.cache_salt)
-            hit = kv.lookup(request.request_id, in_flight)
+            # A request that wants prompt logprobs computes its whole prompt: cached tokens
+            # have no logits.
+            hit = (PrefixHit() if request.sampling_params.prompt_logprobs is not None
+                   else kv.lookup(request.request_id, in_flight))
             if hit.num_pending_tokens:
                 # Another running request is computing this prompt's next blocks in a later
                 # step (an n > 1 sibling, a burst sharing a system prompt, chunked): wait and

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from kvserve.engine import Request, SampledToken, SchedulerOutput
+from kvserve.engine import Request, SampledToken, SchedulerOutput, TokenLogprob
 from kvserve.model.attention_metadata import AttentionMetadata
 from kvserve.model.host_kv import run_kv_transfers
 from kvserve.model.llama import LlamaForCausalLM
@@ -43,6 +43,7 @@ class ModelRunner:
         self.block_size = block_size
         self.sampler = sampler
         self.device = next(model.parameters()).device
+        self._prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = {}
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
@@ -54,10 +55,12 @@ class ModelRunner:
                                                or output.kv_transfers.disk_loads), "no disk tier"
             run_kv_transfers(output.kv_transfers, self.kv_caches, self.host_kv_caches,
                              self.disk_kv_caches)
+        self._prompt_logprobs = {}
         if not output.scheduled:
             return {}
         plan = StepPlan.from_output(output, self.block_size, step_id=0, with_checksum=False)
         hidden = self.forward(plan)  # [num_tokens, hidden]
+        self._prompt_logprobs = self.score_prompts(output, plan.query_start, hidden)
         requests = [item.request for item in output.scheduled if item.sample]
         return self.sample(hidden, plan, requests)
 
@@ -93,6 +96,40 @@ class ModelRunner:
 
     def release(self, request_ids: Iterable[str]) -> None:
         self.sampler.release(list(request_ids))
+
+    def take_prompt_logprobs(self) -> dict[str, list[tuple[int, TokenLogprob]]]:
+        """The last step's prompt logprobs (see `ModelExecutor.take_prompt_logprobs`)."""
+        found, self._prompt_logprobs = self._prompt_logprobs, {}
+        return found
+
+    def score_prompts(self, output: SchedulerOutput, query_start: Sequence[int],
+                       hidden: torch.Tensor) -> dict[str, list[tuple[int, TokenLogprob]]]:
+        """Logprobs of the prompt tokens that this step's chunks predict, for the requests
+        asking for them: the row at position p predicts prompt token p + 1."""
+        found: dict[str, list[tuple[int, TokenLogprob]]] = {}
+        for i, item in enumerate(output.scheduled):
+            request = item.request
+            k = request.sampling_params.prompt_logprobs
+            end = min(item.start + item.num_new_tokens, request.num_prompt_tokens - 1)
+            if k is None or item.start >= end:
+                continue
+            rows = hidden[query_start[i] : query_start[i] + end - item.start]  # [rows, hidden]
+            logprobs = torch.log_softmax(self.model.compute_logits(rows).float(), dim=-1)
+            targets = request.prompt_token_ids[item.start + 1 : end + 1]
+            chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None])
+            ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()  # [rows]
+            top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+            entries = []
+            for row, (position, token_id) in enumerate(zip(range(item.start + 1, end + 1),
+                                                           targets, strict=True)):
+                top: tuple[tuple[int, float], ...] = ()
+                if top_ids is not None and top_values is not None:
+                    top = tuple(zip(top_ids[row].tolist(), top_values[row].tolist(),
+                                    strict=True))
+                entries.append((position, TokenLogprob(token_id, float(chosen[row, 0]), top,
+                                                       ranks[row])))
+            found[request.request_id] = entries
+        return found
 
 
 def _padded_tables(tables: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:

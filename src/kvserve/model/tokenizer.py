@@ -43,11 +43,12 @@ class Tokenizer:
             raise ModelLoadError(str(exc)) from exc
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> Tokenizer:
+    def from_pretrained(cls, path: str | Path, *, chat_template: str | None = None) -> Tokenizer:
         """Load ``tokenizer.json`` and (optional) ``tokenizer_config.json`` from a model directory.
 
         The chat template comes from tokenizer_config.json, else from ``chat_template.jinja``;
         from a list of named templates ``default`` is used, and ``tool_use`` when tools are given.
+        ``chat_template`` (source text) replaces them all.
         """
         path = Path(path)
         tok_file = path / "tokenizer.json"
@@ -62,8 +63,15 @@ class Tokenizer:
             template, tool_template, bos, eos = read_template_sources(path)
         except ChatTemplateLoadError as exc:
             raise ModelLoadError(str(exc)) from exc
+        if chat_template is not None:
+            template, tool_template = chat_template, None
         return cls(tokenizer, bos_token=bos, eos_token=eos, chat_template=template,
                    tool_chat_template=tool_template)
+
+    def with_chat_template(self, chat_template: str) -> Tokenizer:
+        """The same tokenizer with `chat_template` (source text) as its only template."""
+        return Tokenizer(self._tokenizer, bos_token=self.bos_token, eos_token=self.eos_token,
+                         chat_template=chat_template)
 
     @property
     def vocab_size(self) -> int:

@@ -13,7 +13,13 @@ class EngineArgs:
     """Everything needed to build an `LLMEngine`.
 
     `model`: a local directory or a Hugging Face id (None: the built-in demo model).
-    KV cache size: `num_kv_blocks` if given, else `kv_cache_memory_bytes` (default 1 GiB).
+    KV cache size: `num_kv_blocks` if given, else `kv_cache_memory_bytes`, else
+    `gpu_memory_utilization` (vLLM's: this share of the device's memory minus the weights; on
+    CPU the device's memory is the RAM, see runtime/memory_budget), else 1 GiB.
+    `kv_cache_dtype`: "auto" (the model's dtype) or fp32/bf16/fp16 (vLLM's spellings and
+    torch's), which must be the model's dtype: the attention paths read the cache in it.
+    `chat_template`: a file path or the template itself; replaces the model's.
+    `revision` / `download_dir`: the Hub revision and cache directory of a model given by id.
     `kv_host_tier_bytes` > 0 adds a host-memory tier of that many bytes under the device pool
     (evicted prefix blocks are kept there and copied back on a hit); 0 turns it off.
     `kv_disk_tier_bytes` > 0 adds a disk tier of that many bytes under the host tier (what the
@@ -60,8 +66,13 @@ class EngineArgs:
     onednn_linear: bool = True
     cpu_kernels: bool = True
     reuse_host_memory: bool = True
+    gpu_memory_utilization: float | None = None
+    kv_cache_dtype: str = "auto"
+    chat_template: str | None = None
     tensor_parallel_size: int = 1
     collective_timeout_s: float = 60.0
+    revision: str | None = None
+    download_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -103,12 +114,17 @@ class EngineArgs:
                              f"{self.collective_timeout_s}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        kv_cache_dtype_name(self.kv_cache_dtype)  # raises for an unknown or unsupported one
 
-    def resolve_num_blocks(self, bytes_per_block: int) -> int:
-        """Blocks in the pool: explicit, or as many as the KV memory budget holds."""
+    def resolve_num_blocks(self, bytes_per_block: int, utilization_bytes: int | None = None) -> int:
+        """Blocks in the pool: explicit, or as many as the KV memory budget holds
+        (`utilization_bytes`: what `gpu_memory_utilization` leaves for the cache)."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        budget = self.kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
+        budget = self.kv_cache_memory_bytes or utilization_bytes or DEFAULT_KV_CACHE_BYTES
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ValueError(
@@ -134,6 +150,22 @@ class EngineArgs:
         except AttributeError:  # not on Linux
             cores = os.cpu_count() or 1
         return max(1, cores // self.tensor_parallel_size)
+
+
+KV_CACHE_DTYPES = {"auto": None, "fp32": "float32", "float32": "float32", "bf16": "bfloat16",
+                   "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+                   "half": "float16"}
+
+
+def kv_cache_dtype_name(kv_cache_dtype: str) -> str | None:
+    """torch's name for a `kv_cache_dtype` (None for "auto"); ValueError for fp8 and typos."""
+    if kv_cache_dtype.startswith("fp8"):
+        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype}: kvserve has no fp8 KV cache; use "
+                         "auto, fp32, bf16 or fp16")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be auto, fp32, bf16 or fp16, got "
+                         f"{kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 def _num_slots(name: str, num_bytes: int, bytes_per_block: int) -> int:

@@ -1,29 +1,38 @@
-"""The offline API: `LLM(model=...).generate(prompts, params)`."""
+"""The offline API: `LLM(model=...).generate(prompts, params)`, with vLLM's arguments."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
+from kvserve.chat_template import open_final_message, template_argument
 from kvserve.engine import SamplingParams
 from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.llm_engine import LLMEngine
+from kvserve.runtime.llm_inputs import (
+    ProgressBar,
+    PromptInput,
+    as_prompt_inputs,
+    engine_kwargs,
+    progress_bar,
+)
 from kvserve.runtime.outputs import RequestOutput
 
-Prompt = str | Sequence[int]
+Prompt = str | Sequence[int] | Mapping[str, Any]
 
 
 class LLM:
     """Batch generation with continuous batching over the paged, prefix-cached KV cache.
 
     `LLM()` runs the built-in demo model; `LLM(model="Qwen/Qwen2.5-0.5B-Instruct")` or a local
-    directory runs a real checkpoint. Keyword arguments are `EngineArgs` fields.
+    directory runs a real checkpoint. Keyword arguments are `EngineArgs` fields, plus vLLM's
+    that state what kvserve always does (`trust_remote_code`, `enforce_eager`, ...; see
+    runtime/llm_inputs); one kvserve cannot honour is a ValueError naming it.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        self.engine = LLMEngine.from_args(EngineArgs(model=model, **engine_args))
+        self.engine = LLMEngine.from_args(EngineArgs(model=model,
+                                                     **engine_kwargs(model, engine_args)))
         self._next_id = 0
 
     def close(self) -> None:
@@ -40,18 +49,75 @@ class LLM:
     def tokenizer(self):  # type: ignore[no-untyped-def]
         return self.engine.tokenizer
 
+    def get_tokenizer(self):  # type: ignore[no-untyped-def]
+        """vLLM's name for `tokenizer`."""
+        return self.engine.tokenizer
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., ProgressBar] = True,
         *,
-        use_progress: bool = True,
+        use_progress: bool | None = None,
+        lora_request: object = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (text or token ids); outputs come back in input order.
+        """Generate for every prompt; outputs come back in input order.
 
-        One `SamplingParams` applies to all prompts; a list gives one per prompt.
+        A prompt is text, token ids, or a vLLM prompt dict (`{"prompt": text}` or
+        `{"prompt_token_ids": ids}`, optionally with `"cache_salt"`). One `SamplingParams`
+        applies to all prompts; a list gives one per prompt. `use_tqdm`: as vLLM's (True, False
+        or a tqdm-like callable); `use_progress` is kvserve's older name for it.
         """
-        batch = _as_batch(prompts)
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: kvserve serves no LoRA adapters")
+        return self._run(as_prompt_inputs(prompts), sampling_params,
+                         use_tqdm if use_progress is None else use_progress)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool | Callable[..., ProgressBar] = True,
+        *,
+        lora_request: object = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        use_progress: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the chat template (the model's, or `chat_template`: a file or the template) to
+        one conversation or a list of them, then generate; vLLM's arguments and meanings.
+        `continue_final_message` renders the last (assistant) message open, to be continued."""
+        if lora_request is not None:
+            raise ValueError("lora_request is not supported: kvserve serves no LoRA adapters")
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError("chat_template_content_format must be 'auto' or 'string': "
+                             "kvserve flattens text parts to a string")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "True (pass add_generation_prompt=False)")
+        tokenizer = self.engine.tokenizer
+        if chat_template is not None:
+            tokenizer = tokenizer.with_chat_template(template_argument(chat_template))
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                list(conversation), add_generation_prompt=add_generation_prompt, tools=tools,
+                **dict(chat_template_kwargs or {}))
+            if continue_final_message:
+                text = open_final_message(text, list(conversation))
+            prompts.append(PromptInput(tokenizer.encode(text, add_special_tokens=False)))
+        return self._run(prompts, sampling_params,
+                         use_tqdm if use_progress is None else use_progress)
+
+    def _run(self, batch: list[PromptInput],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool | Callable[..., ProgressBar]) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(batch)
         else:
@@ -59,38 +125,20 @@ class LLM:
             if len(params) != len(batch):
                 raise ValueError(f"got {len(params)} sampling params for {len(batch)} prompts")
         ids = []
-        for prompt, p in zip(batch, params, strict=True):
+        for item, p in zip(batch, params, strict=True):
             request_id = f"llm-{self._next_id}"
             self._next_id += 1
-            self.engine.add_request(request_id, prompt, p)
+            self.engine.add_request(request_id, item.prompt, p, cache_salt=item.cache_salt)
             ids.append(request_id)
         done: dict[str, RequestOutput] = {}
-        with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(),
-                      TimeElapsedColumn(), disable=not use_progress, transient=True) as progress:
-            task = progress.add_task("generate", total=len(ids))
+        bar = progress_bar(use_tqdm, len(ids))
+        try:
             while self.engine.has_unfinished:
                 for output in self.engine.step():
                     if output.finished:
                         done[output.request_id] = output
-                        progress.advance(task)
+                        bar.update(1)
+        finally:
+            bar.close()
         return [done[i] for i in ids]
 
-    def chat(
-        self,
-        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
-        sampling_params: SamplingParams | None = None,
-        **kwargs: Any,
-    ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation or a list of them, then generate."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.tokenizer.encode_chat(c) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, sampling_params, **kwargs)
-
-
-def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    items = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
-        return [items]  # one prompt given as token ids
-    return items

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.chat_template import template_argument
 from kvserve.engine import (
     EngineCore,
     FinishReason,
@@ -40,10 +41,15 @@ from kvserve.model.sampler import Sampler
 from kvserve.model.tensor_parallel import ShardSpec, check_shardable
 from kvserve.runtime.collective_stats import CollectiveStats
 from kvserve.runtime.demo_model import DEMO_MODEL_NAME, ensure_demo_model
-from kvserve.runtime.engine_args import EngineArgs
+from kvserve.runtime.engine_args import EngineArgs, kv_cache_dtype_name
 from kvserve.runtime.host_memory import reuse_freed_host_memory
 from kvserve.runtime.kv_event_log import KVEventLog
-from kvserve.runtime.model_setup import load_rank_model, rank_device
+from kvserve.runtime.memory_budget import (
+    device_memory_bytes,
+    kv_bytes_for_utilization,
+    model_bytes,
+)
+from kvserve.runtime.model_setup import DTYPES, load_rank_model, rank_device
 from kvserve.runtime.outputs import CompletionOutput, RequestOutput
 from kvserve.runtime.step_tokens import StepTokenCounts, StepTokens
 from kvserve.runtime.tp_executor import TensorParallelExecutor
@@ -124,11 +130,23 @@ class LLMEngine:
     def _build(cls, args: EngineArgs, group: RankGroup | None) -> LLMEngine:
         loaded = load_rank_model(args, ShardSpec(0, args.tensor_parallel_size),
                                  rank_device(args.device, 0))
-        tokenizer = Tokenizer.from_pretrained(loaded.path)
+        template = template_argument(args.chat_template) if args.chat_template else None
+        tokenizer = Tokenizer.from_pretrained(loaded.path, chat_template=template)
         config = loaded.config
         rank_config = loaded.model.config  # this rank's heads (all of them on one rank)
+        kv_dtype = kv_cache_dtype_name(args.kv_cache_dtype)
+        if kv_dtype is not None and DTYPES[kv_dtype] != loaded.dtype:
+            raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} differs from the model's "
+                             f"dtype ({str(loaded.dtype).removeprefix('torch.')}): kvserve's "
+                             "attention reads the KV cache in the model's dtype; pass the same "
+                             "--dtype, or --kv-cache-dtype auto")
         bytes_per_block = kv_cache_bytes_per_block(rank_config, args.block_size, loaded.dtype)
-        num_blocks = args.resolve_num_blocks(bytes_per_block)
+        utilization_bytes = None
+        if args.gpu_memory_utilization is not None:
+            utilization_bytes = kv_bytes_for_utilization(
+                args.gpu_memory_utilization, device_memory_bytes(loaded.device),
+                model_bytes(loaded.model))
+        num_blocks = args.resolve_num_blocks(bytes_per_block, utilization_bytes)
         num_host_slots = args.resolve_num_host_slots(bytes_per_block)
         num_disk_slots = args.resolve_num_disk_slots(bytes_per_block)
         max_model_len = args.max_model_len or config.max_position_embeddings
@@ -225,6 +243,8 @@ class LLMEngine:
                              "be 1 and the worker needs a host tier)")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt)
+        if params.truncate_prompt_tokens is not None:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]  # vLLM's: keep the tail
         if (max_tokens_within_context and params.max_tokens is not None
                 and len(token_ids) < self.max_model_len  # else: the prompt's own error
                 and len(token_ids) + params.max_tokens > self.max_model_len):
@@ -333,8 +353,11 @@ class LLMEngine:
             output.scheduled_time = delta.scheduled_time
         if delta.new_token_ids and output.first_token_time is None:
             output.first_token_time = self.clock()
+        if delta.prompt_logprobs is not None and output.prompt_logprobs is None:
+            output.prompt_logprobs = list(delta.prompt_logprobs)
         if delta.finished:
             completion.finish_reason = delta.finish_reason
+            completion.stop_reason = delta.stop_reason
             completion.error = delta.error
             del self._child_of[delta.request_id]
         return output

@@ -23,7 +23,8 @@ def load_rank_model(args: EngineArgs, shard: ShardSpec, device: str) -> LoadedMo
     as `args` asks (built now, not inside the first request)."""
     path = args.model or str(ensure_demo_model())
     dtype = DTYPES[args.dtype] if args.dtype else None
-    loaded = load_model(path, device=device, dtype=dtype, shard=shard)
+    loaded = load_model(path, device=device, dtype=dtype, shard=shard, revision=args.revision,
+                        cache_dir=args.download_dir)
     cpu_kernels.set_enabled(args.cpu_kernels)
     if args.cpu_kernels and loaded.device.type == "cpu":
         cpu_kernels.available()

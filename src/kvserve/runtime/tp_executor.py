@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
-from kvserve.engine import SampledToken, SchedulerOutput
+from kvserve.engine import SampledToken, SchedulerOutput, TokenLogprob
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.runner import ModelRunner
 from kvserve.model.step_plan import StepPlan, layout_checksum
@@ -60,6 +60,7 @@ class TensorParallelExecutor:
         self.supervisor = supervisor
         self._prev_compute_ns = 0
         self._closed = False
+        self._prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = {}
 
     @property
     def model(self) -> LlamaForCausalLM:
@@ -68,6 +69,7 @@ class TensorParallelExecutor:
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
         # Invariant: every rank runs the plan rank 0 built, or none does (check_step first).
         assert not output.kv_transfers, "tensor parallelism runs without host/disk KV tiers"
+        self._prompt_logprobs = {}
         if not output.scheduled:
             return {}
         begin = time.perf_counter()
@@ -80,7 +82,8 @@ class TensorParallelExecutor:
                               self.stats)
         if comm.step_id > 1:
             self.stats.observe_compute([ns / 1e9 for ns in computes])
-        hidden = self.runner.forward(plan)  # [num_tokens, hidden]
+        hidden = self.runner.forward(plan)  # [num_tokens, hidden], whole on every rank
+        self._prompt_logprobs = self.runner.score_prompts(output, plan.query_start, hidden)
         requests = [item.request for item in output.scheduled if item.sample]
         sampled = self.runner.sample(hidden, plan, requests)
         self._prev_compute_ns = int((time.perf_counter() - begin - comm.wait_s) * 1e9)
@@ -88,6 +91,11 @@ class TensorParallelExecutor:
 
     def release(self, request_ids: Iterable[str]) -> None:
         self.runner.release(request_ids)
+
+    def take_prompt_logprobs(self) -> dict[str, list[tuple[int, TokenLogprob]]]:
+        """The last step's prompt logprobs, scored on rank 0 (see `ModelExecutor`)."""
+        found, self._prompt_logprobs = self._prompt_logprobs, {}
+        return found
 
     def check_ranks(self) -> None:
         """Between steps: raise CollectiveError if a rank's process is gone."""

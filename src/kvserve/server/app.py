@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -24,6 +25,7 @@ from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.serving import SSE_DONE, Call, Serving, sse, unless_client_leaves
 from kvserve.server.settings import ServerSettings, WorkerRole
 from kvserve.server.trust import SaltTrust
+from kvserve.server.vllm_routes import add_vllm_routes, model_card
 
 PREFILL_URL_HEADER = "x-kvserve-prefill-url"
 ADMIN_KEY_HEADER = "x-kvserve-admin-key"
@@ -84,6 +86,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(EchoRequestId)
     install_error_handlers(app)
+    started = int(time.time())
 
     def require_api_key(request: Request) -> None:
         _check_key(request, settings.api_key)
@@ -93,6 +96,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
             raise APIError(404, f"{request.url.path} exists only on a worker started with "
                            "--admin-key (or KVSERVE_ADMIN_KEY)", err_type="not_found_error")
         _check_key(request, admin_key, "admin key")
+
+    add_vllm_routes(app, tokenizer, model_name, engine.engine.max_model_len, require_api_key)
 
     def pull_source(raw: Request) -> str | None:
         """The prefill worker the gateway named for this request, or None. Honoured only on a
@@ -134,10 +139,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
 
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def models() -> dict[str, object]:
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": 0, "owned_by": "kvserve",
-            "root": str(engine.engine.model_path or model_name),
-            "max_model_len": engine.engine.max_model_len}]}
+        return {"object": "list", "data": [model_card(
+            model_name, str(engine.engine.model_path or model_name), started,
+            engine.engine.max_model_len)]}
 
     @app.get("/kv/events", dependencies=[Depends(require_admin_key)])
     async def kv_events(after: int = 0, limit: int = 4096, wait: float = 0.0) -> dict[str, object]:
@@ -164,19 +168,23 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         if body.suffix is not None:
             raise APIError(400, "suffix is not supported; put the text in the prompt",
                            param="suffix")
-        if body.echo:
-            raise APIError(400, "echo is not supported; the prompt is known to the caller",
-                           param="echo")
         if body.best_of not in (None, body.n):
             raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
         _check_stops(body, settings)
-        params = body.sampling_params(body.max_tokens, body.logprobs)
+        # echo with max_tokens 0 scores the prompt alone (loglikelihood evaluations): one
+        # token is sampled, as the engine always does, and not shown.
+        generate = not (body.echo and body.max_tokens == 0)
+        scored = body.prompt_logprobs
+        if scored is None and body.echo and body.logprobs is not None:
+            scored = body.logprobs  # the echoed prompt's logprobs, as vLLM
+        params = body.sampling_params(body.max_tokens if generate else 1, body.logprobs,
+                                      prompt_logprobs=scored)
         prompts = body.prompts()
         pull_from = pull_source(raw)
         call = serving.begin(raw, body.model, body.cache_salt)
         cache_salt = call.cache_salt
         fmt = CompletionFormatter(tokenizer, call.request_id, call.created, model_name,
-                                  params.n, body.logprobs is not None)
+                                  params.n, body.logprobs is not None, body.echo, generate)
         if not body.stream:
             outputs = await serving.collect(raw, call, prompts, params, cache_salt, pull_from)
             return JSONResponse(fmt.whole(outputs))

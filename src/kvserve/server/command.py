@@ -15,9 +15,19 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 
 from kvserve.server.settings import ServerSettings, UntrustedSalt, WorkerRole
+from kvserve.server.vllm_flags import (
+    add_engine_vllm_arguments,
+    add_server_vllm_arguments,
+    resolve_model,
+)
 
 if TYPE_CHECKING:  # torch and the engine load only for `serve` itself, not for every command
     from kvserve.runtime import AsyncEngine, EngineArgs
+
+
+# vLLM's --dtype spellings -> EngineArgs.dtype (None: kvserve's default for the device).
+DTYPE_NAMES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+               "float16": "float16", "half": "float16"}
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,9 +56,26 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="max running requests")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step")
     p.add_argument("--max-model-len", type=int, default=None, help="max prompt + output tokens")
-    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                   action="store_false", help="turn the prefix cache off")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
+    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching",
+                   action=argparse.BooleanOptionalAction, default=True,
+                   help="the prefix cache (on by default)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="auto",
+                   help="weights and activations (auto: float32 on CPU, the checkpoint's "
+                        "dtype on GPU; half = float16, float = float32)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="the KV cache's dtype: auto (the model's), fp32, bf16 or fp16; it must "
+                        "be the model's dtype (fp8 is refused)")
+    p.add_argument("--gpu-memory-utilization", "--device-memory-utilization", type=float,
+                   default=None,
+                   help="size the KV cache as this share (0-1] of the device's memory minus "
+                        "the weights; on CPU the device's memory is the RAM (or the cgroup's "
+                        "limit, if lower). Ignored when --num-kv-blocks or "
+                        "--kv-cache-memory-bytes is given (default: 1 GiB of KV cache)")
+    p.add_argument("--chat-template", default=None,
+                   help="a chat template file, or the template itself, replacing the model's")
+    p.add_argument("--revision", default=None, help="the Hub revision of a model given by id")
+    p.add_argument("--download-dir", default=None, help="the Hub cache directory")
+    add_engine_vllm_arguments(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--audit-interval-steps", type=int, default=0,
@@ -82,16 +109,19 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         kv_disk_tier_path=args.kv_disk_tier_path, preemption_mode=args.preemption_mode,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, enable_prefix_caching=args.enable_prefix_caching,
-        dtype=args.dtype, device=args.device, seed=args.seed,
+        dtype=DTYPE_NAMES[args.dtype], device=args.device, seed=args.seed,
         audit_interval_steps=args.audit_interval_steps,
         idle_audit_interval_s=args.idle_audit_interval_s, num_threads=args.num_threads,
-        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
+        chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
         collective_timeout_s=args.collective_timeout_s,
+        revision=args.revision, download_dir=args.download_dir,
     )
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="run one OpenAI-compatible worker")
+    add_server_vllm_arguments(p)
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -182,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     try:
+        resolve_model(args)
         check_security(args)
         check_role(args)
         engine_args = engine_args_from(args)
@@ -234,8 +265,12 @@ def run(args: argparse.Namespace) -> int:
                       f"\"max_tokens\": 16}}'", soft_wrap=True, highlight=False)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one line per KV pull
+    log_level = args.uvicorn_log_level
+    if args.enable_log_requests and log_level in ("critical", "error", "warning"):
+        log_level = "info"  # uvicorn writes its access lines at info
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                           log_level="warning",
+                                           log_level=log_level,
+                                           access_log=args.enable_log_requests,
                                            timeout_graceful_shutdown=int(args.drain_timeout) + 1))
     threading.Thread(target=_exit_when_group_fails, args=(async_engine, server),
                      name="kvserve-tp-watch", daemon=True).start()

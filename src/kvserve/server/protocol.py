@@ -97,7 +97,8 @@ class _SamplingFields(BaseModel):
                     f"most {max_chars} (--max-stop-chars)")
         return None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, *,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError naming the parameter when a value is out of range."""
         temperature = 1.0 if self.temperature is None else self.temperature
         if 0.0 <= temperature < MIN_SAMPLING_TEMPERATURE:
@@ -122,6 +123,7 @@ class _SamplingFields(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
         )
 
@@ -133,6 +135,7 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)  # vLLM's extra
     suffix: str | None = None
     best_of: int | None = None
 
