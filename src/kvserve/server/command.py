@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
+from kvserve.kvevents.config import KVEventsConfig
 from kvserve.server.settings import ServerSettings, WorkerRole
 
 if TYPE_CHECKING:  # torch and the engine load only for `serve` itself, not for every command
@@ -93,6 +94,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "--kv-host-tier-bytes to receive into (default: both, one worker)")
     p.add_argument("--kv-transfer-timeout", type=float, default=60.0,
                    help="seconds one KV pull from a prefill worker may take (decode role)")
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV events on vLLM's ZMQ wire, vLLM's JSON shape, e.g. "
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
+                        "(the gateway follows it: --worker-kv-events)")
     p.set_defaults(func=run)
 
 
@@ -124,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
         check_role(args)
+        kv_events = (KVEventsConfig.from_json(args.kv_events_config)
+                     if args.kv_events_config else None)
         engine_args = engine_args_from(args)
         with console.status(f"loading {args.model or 'the built-in demo model'} …"):
             engine = LLMEngine.from_args(engine_args)
@@ -135,8 +143,13 @@ def run(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         request_timeout_s=args.request_timeout or None, drain_timeout_s=args.drain_timeout,
         role=WorkerRole(args.role), kv_transfer_timeout_s=args.kv_transfer_timeout,
+        kv_events=kv_events,
     )
-    app = create_app(AsyncEngine(engine), settings)
+    try:
+        app = create_app(AsyncEngine(engine), settings)
+    except ValueError as exc:
+        console.print(f"[red]cannot start: {exc}[/]", soft_wrap=True)
+        return 2
     # This process serves one engine for its whole life: freeze what start-up built (the block
     # pool's num_blocks objects, the model's modules) so full collections stop walking it again
     # and again, which paused steps for hundreds of milliseconds. (Not done in LLMEngine: a

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kvserve.kvevents.config import KVEventsConfig
+
 
 class WorkerRole(enum.StrEnum):
     """What a worker does in a disaggregated fleet (`kvserve serve --role`).
@@ -36,3 +38,4 @@ class ServerSettings:
     retry_after_s: int = 1
     role: WorkerRole = WorkerRole.BOTH
     kv_transfer_timeout_s: float = 60.0
+    kv_events: KVEventsConfig | None = None  # publish KV events on vLLM's ZMQ wire
