@@ -41,6 +41,13 @@ class ScriptedPublisher:
             await self.pub.send_multipart(encode_message(self.topic, seq, payload))
         return seq
 
+    async def recorded(self, seq: int, payload: bytes, live: bool = True) -> None:
+        """Publish (or only buffer) a recorded batch under its own seq."""
+        self.buffer.append((seq, payload))
+        self.seq = seq + 1
+        if live:
+            await self.pub.send_multipart(encode_message(self.topic, seq, payload))
+
     async def raw(self, frames: list[bytes]) -> None:
         await self.pub.send_multipart(frames)
 
