@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvserve.gateway.event_index import WorkerIndexFeed, first_block_salt
 from kvserve.gateway.policies import PrecisePolicy, RouteRequest
 from kvserve.gateway.prefix import engine_block_hashes
@@ -119,3 +121,12 @@ def test_an_unsynced_worker_is_unknown_not_empty() -> None:
     assert matched(policy, PROMPT) == 0  # its cached blocks count for nothing meanwhile
     policy.set_synced("w", True)
     assert matched(policy, PROMPT) == 2
+
+
+def test_a_worker_whose_blocks_differ_from_the_gateways_is_named_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    policy = PrecisePolicy(max_pending_blocks_per_worker=0)
+    feed = WorkerIndexFeed(policy, "w", "tiny", block_size=16)
+    feed.apply([stored((1,), None, PROMPT[:BS]), stored((2,), 1, PROMPT[BS:2 * BS])])
+    warnings = [r.message for r in caplog.records if "--block-size 4" in r.getMessage()]
+    assert len(warnings) == 1

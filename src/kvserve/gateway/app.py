@@ -197,7 +197,8 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
     if isinstance(policy, PrecisePolicy) and follower is not None and event_sources:
         follower.unsupported.update(event_sources)  # followed over ZMQ instead
         subscriber = ZmqEventFollower(event_sources, policy,
-                                      lambda url: served_model_id(client, url))
+                                      lambda url: served_model_id(client, url),
+                                      block_size=settings.block_size)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -15,6 +15,7 @@ never saw (events lost) cannot be keyed and is skipped (`num_orphans`).
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from kvserve.kvevents.wire import (
     StoredBlocks,
     WireEvent,
 )
+
+log = logging.getLogger(__name__)
 
 TIER_ORDER = (MEDIUM_GPU, "CPU", "DISK", "STORAGE")
 """Fastest first: the tier a block held on several media is reported at."""
@@ -56,8 +59,11 @@ class WorkerIndexFeed:
     Each data-parallel rank is its own stream of publisher hashes; their blocks are the
     worker's. Not thread-safe: one event loop applies everything."""
 
-    def __init__(self, sink: EventSink, worker_id: str, model_id: str) -> None:
+    def __init__(self, sink: EventSink, worker_id: str, model_id: str,
+                 block_size: int | None = None) -> None:
         self.sink, self.worker_id, self.model_id = sink, worker_id, model_id
+        self.block_size = block_size  # the gateway's: prompts are keyed in blocks of it
+        self._warned_block_size = False
         self._entries: dict[tuple[int, ExternalHash], _Entry] = {}
         self._refs: dict[bytes, int] = {}  # key -> entries (ranks) holding it
         self.num_orphans = 0
@@ -115,6 +121,12 @@ class WorkerIndexFeed:
             self.num_orphans += len(event.block_hashes)
             return
         size = event.block_size
+        if self.block_size is not None and size != self.block_size and not self._warned_block_size:
+            self._warned_block_size = True
+            log.warning("kvserve gateway: %s caches blocks of %d tokens but the gateway keys "
+                        "prompts in blocks of %d: no prompt will match its index; start the "
+                        "gateway with --block-size %d", self.worker_id, size, self.block_size,
+                        size)
         keys: list[bytes] = []
         for idx, external in enumerate(event.block_hashes):
             extra = None

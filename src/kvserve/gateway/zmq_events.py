@@ -91,8 +91,9 @@ class ZmqEventFollower:
     def __init__(self, sources: dict[str, EventSource], policy: PrecisePolicy,
                  model_id: Callable[[str], Awaitable[str | None]],
                  replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
-                 retry_interval_s: float = 1.0) -> None:
+                 retry_interval_s: float = 1.0, block_size: int | None = None) -> None:
         self.sources, self.policy, self.model_id = sources, policy, model_id
+        self.block_size = block_size
         self.replay_timeout_s, self.retry_interval_s = replay_timeout_s, retry_interval_s
         self.feeds: dict[str, WorkerIndexFeed] = {}
         self.num_batches = 0
@@ -136,7 +137,7 @@ class ZmqEventFollower:
         while url not in self.feeds:
             model = await self.model_id(url)
             if model is not None and url not in self.feeds:
-                self.feeds[url] = WorkerIndexFeed(self.policy, url, model)
+                self.feeds[url] = WorkerIndexFeed(self.policy, url, model, self.block_size)
             elif model is None:
                 await asyncio.sleep(self.retry_interval_s)
         return self.feeds[url]
