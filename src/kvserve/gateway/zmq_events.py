@@ -134,11 +134,16 @@ class ZmqEventFollower:
                 "orphan_blocks": feed.num_orphans if feed is not None else 0}
 
     async def _feed(self, url: str) -> WorkerIndexFeed:
+        warned = False
         while url not in self.feeds:
             model = await self.model_id(url)
             if model is not None and url not in self.feeds:
                 self.feeds[url] = WorkerIndexFeed(self.policy, url, model, self.block_size)
             elif model is None:
+                if not warned:
+                    warned = True
+                    log.warning("kvserve gateway: cannot read %s/v1/models (the model id keys "
+                                "its blocks); its KV events are followed once it answers", url)
                 await asyncio.sleep(self.retry_interval_s)
         return self.feeds[url]
 
