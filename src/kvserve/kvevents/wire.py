@@ -207,7 +207,9 @@ def encode_event(event: WireEvent) -> dict[str, Any]:
 
 def encode_batch(ts: float, events: Sequence[WireEvent], rank: int | None = 0) -> bytes:
     """A msgpack batch `[ts, events, data_parallel_rank]`."""
-    return msgpack.packb([ts, [encode_event(e) for e in events], rank], use_bin_type=True)
+    payload: bytes = msgpack.packb([ts, [encode_event(e) for e in events], rank],
+                                   use_bin_type=True)
+    return payload
 
 
 def encode_message(topic: str, seq: int, payload: bytes) -> list[bytes]:
