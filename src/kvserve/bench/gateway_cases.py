@@ -86,6 +86,12 @@ class Bench:
         self.gateway_args = [f"--max-in-flight={args.gateway_max_in_flight}",
                              f"--queue-timeout={args.gateway_queue_timeout}", *args.gateway_arg]
 
+    def router_args(self, router: RouterSpec) -> list[str]:
+        """The shared gateway flags, and for `precise` how to follow the fleet's KV events."""
+        if router.kind == KVSERVE_GATEWAY and router.policy == "precise":
+            return [*self.fleet.precise_args(), *self.gateway_args]
+        return self.gateway_args
+
     def trace_for(self, case: Case, seed: int) -> list[TraceRequest]:
         spec = replace(self.spec, seed=seed)
         if case.skewed:
@@ -102,7 +108,7 @@ class Bench:
     def overhead(self, router: RouterSpec, prompts: list[str]) -> OverheadRun:
         """The overhead case for one router (`ideal`: straight to the workers)."""
         proc = None if router.kind == IDEAL else make_router(
-            router, self.fleet.urls, self.log_dir, self.gateway_args)
+            router, self.fleet.urls, self.log_dir, self.router_args(router))
         self.fleet.fresh()
         try:
             if proc is not None:
@@ -117,7 +123,7 @@ class Bench:
         requests = gateway_requests(self.trace_for(case, seed), self.texts)
         urls = self.fleet.urls
         replicas = [] if router.kind == IDEAL else [
-            make_router(router, urls, self.log_dir, self.gateway_args)
+            make_router(router, urls, self.log_dir, self.router_args(router))
             for _ in range(case.replicas)]
         self.fleet.fresh()
         try:

@@ -96,6 +96,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="comma-separated: ideal, kvserve:POLICY, sglang:POLICY")
     p.add_argument("--workers", type=int, default=2, help="workers in the fleet")
     p.add_argument("--worker-server", choices=(KVSERVE, VLLM), default=KVSERVE)
+    p.add_argument("--kv-events", choices=("zmq", "poll"), default="zmq",
+                   help="how `precise` follows the workers' KV events: zmq (every worker "
+                        "publishes with --kv-events-config, vLLM's and kvserve's alike) or poll "
+                        "(kvserve's /kv/events long-poll; vLLM has none)")
     p.add_argument("--model", default="tiny", help="tiny, 100m or a checkpoint dir")
     w = p.add_argument_group("workload")
     w.add_argument("--tenants", type=int, default=10)
@@ -207,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
     overheads: list[OverheadRun] = []
     sims: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-gateway-") as tmp:
-        fleet = Fleet(args.worker_server, launch, args.workers, Path(tmp), args.startup_timeout)
+        fleet = Fleet(args.worker_server, launch, args.workers, Path(tmp), args.startup_timeout,
+                      kv_events=args.kv_events == "zmq")
         shape = replace(shape, worker_ids=tuple(fleet.urls))
         bench = Bench(args, fleet, spec, texts, model_dir.name, Path(tmp), err)
         try:

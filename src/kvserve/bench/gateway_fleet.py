@@ -11,6 +11,7 @@ replicas, each its own process; "ideal" is no router at all (the clients split b
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Sequence
@@ -197,21 +198,44 @@ class Fleet:
     """`num_workers` servers of one kind, started once; `fresh()` gives a cold fleet."""
 
     def __init__(self, server: str, spec: LaunchSpec, num_workers: int, log_dir: Path,
-                 startup_timeout_s: float) -> None:
+                 startup_timeout_s: float, kv_events: bool = False) -> None:
         if server not in (KVSERVE, VLLM):
             raise ValueError(f"--worker-server {server!r}: choose kvserve or vllm")
         cores = os.cpu_count() or 1
         self.server = server
+        # With kv_events, every worker (kvserve or vLLM, the same flag) publishes its KV events
+        # on ZMQ, bound on its own ports, and `precise` routers subscribe to them all.
+        self._event_ports = [(free_port(), free_port()) for _ in range(num_workers)
+                             ] if kv_events else []
         self.workers = [
-            LaunchedServer(server, replace(spec, cpus=str(i % cores)), log_dir,
-                           startup_timeout_s)
+            LaunchedServer(server, replace(spec, cpus=str(i % cores),
+                                           extra_args=spec.extra_args + self._events_flag(i)),
+                           log_dir, startup_timeout_s)
             for i in range(num_workers)]
+        self.block_size = spec.block_size or (128 if server == VLLM else 16)
         if server == VLLM:
             os.environ["VLLM_SERVER_DEV_MODE"] = "1"  # for /reset_prefix_cache
+
+    def _events_flag(self, index: int) -> tuple[str, ...]:
+        if not self._event_ports:
+            return ()
+        pub, replay = self._event_ports[index]
+        return ("--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+            "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"}))
 
     @property
     def urls(self) -> list[str]:
         return [w.url for w in self.workers]
+
+    def precise_args(self) -> list[str]:
+        """What a `precise` gateway needs to follow this fleet: the workers' block size and,
+        when they publish on ZMQ, where (each replica subscribes to every worker)."""
+        args = [f"--block-size={self.block_size}"]
+        for worker, (pub, replay) in zip(self.workers, self._event_ports, strict=False):
+            args.append(f"--worker-kv-events={worker.url}=tcp://*:{pub},replay=tcp://*:{replay}"
+                        ",topic=kv")
+        return args
 
     def start(self) -> None:
         for w in self.workers:

@@ -47,6 +47,7 @@ from kvserve.gateway.text_capacity import TextCapacity
 from kvserve.gateway.token_keys import ExactKeys, workers_model_dir
 from kvserve.gateway.upstream_http import UpstreamClient
 from kvserve.gateway.worker_pool import WorkerPool
+from kvserve.gateway.zmq_events import EventSource, ZmqEventFollower
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +83,9 @@ class GatewaySettings:
     events_interval_s: float = 0.25  # `precise`: pause after a failed read of KV events
     events_min_interval_s: float = DEFAULT_MIN_POLL_INTERVAL_S  # between reads of one worker
     admin_key: str | None = None  # sent to the workers' /kv/events and to decode workers
+    # `precise`: workers followed over ZMQ (vLLM's KV-event wire); the others' /kv/events is
+    # long-polled.
+    worker_kv_events: tuple[tuple[str, EventSource], ...] = ()
     # Disaggregated mode (both non-empty): prompts prefilled on `prefill_workers` (by
     # `policy`), decoded on `decode_workers` (by least load); `workers` is then their union.
     prefill_workers: tuple[str, ...] = ()
@@ -131,9 +135,26 @@ def _on_shared(shared: bool, policy: RoutingPolicy, foreign: ForeignLoad) -> Non
                     "--policy precise or prefix_hash", seen, policy.name)
 
 
+async def served_model_id(client: httpx.AsyncClient, url: str) -> str | None:
+    """The first model id the worker's /v1/models lists (None if it cannot be read)."""
+    try:
+        answer = await client.get(f"{url}/v1/models", timeout=5.0)
+        return str(answer.json()["data"][0]["id"]) if answer.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
 def create_gateway(settings: GatewaySettings) -> GatewayApp:
     pool = WorkerPool(list(settings.workers))
     policy = make_policy(settings.policy, **dict(settings.policy_options))
+    event_sources = dict(settings.worker_kv_events)
+    if event_sources and not isinstance(policy, PrecisePolicy):
+        raise ValueError("--worker-kv-events feeds --policy precise's index; add --policy "
+                         "precise or drop --worker-kv-events")
+    unknown = sorted(set(event_sources) - set(settings.workers))
+    if unknown:
+        raise ValueError(f"--worker-kv-events names {', '.join(unknown)}, which is not a "
+                         "--worker; give the same URL to both")
     disagg = None
     if settings.is_disaggregated:
         disagg = DisaggregatedRouter(policy, make_policy("least_load"),
@@ -176,6 +197,12 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                               settings.admin_key,
                               min_interval_s=settings.events_min_interval_s)
                 if isinstance(policy, PrecisePolicy) else None)
+    subscriber = None
+    if isinstance(policy, PrecisePolicy) and follower is not None and event_sources:
+        follower.unsupported.update(event_sources)  # followed over ZMQ instead
+        subscriber = ZmqEventFollower(event_sources, policy,
+                                      lambda url: served_model_id(client, url),
+                                      block_size=settings.block_size)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -186,12 +213,17 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
             root = await workers_model_dir(client, list(settings.workers))
             if root is not None:
                 capacity.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        if subscriber is not None:
+            subscriber.start()
+            await subscriber.wait_subscribed(5.0)
         if follower is not None:
             await follower.poll_once()
             follower.start()
         yield
         if follower is not None:
             await follower.stop()
+        if subscriber is not None:
+            await subscriber.stop()
         await scraper.stop()
         await client.aclose()
         await upstream_client.aclose()
@@ -247,7 +279,9 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
              "prefix_hit_rate": (w.prefix_hits / w.prefix_queries
                                                          if w.prefix_queries else None),
              "requests": w.requests, "failures": w.failures, "backpressure": w.backpressure,
-             "ejected_for_s": max(0.0, w.ejected_until - now), "last_error": w.last_error}
+             "ejected_for_s": max(0.0, w.ejected_until - now), "last_error": w.last_error,
+             "kv_events": (subscriber.state(w.url) if subscriber is not None
+                           and w.url in event_sources else None)}
             for w in pool.workers.values()]}
 
     proxy = ProxyEndpoint(forwarder, admission, metrics, settings.tenancy, keys, capacity,

@@ -21,6 +21,7 @@ from kvserve.gateway.kv_events import DEFAULT_MIN_POLL_INTERVAL_S
 from kvserve.gateway.policies import POLICY_NAMES, make_policy, parse_policy_options
 from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
 from kvserve.gateway.tenancy import Tenancy, generated_secret
+from kvserve.gateway.zmq_events import EventSource
 
 log = logging.getLogger(__name__)
 
@@ -159,6 +160,8 @@ def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] |
         trusted_salt_key=args.trusted_salt_key, metrics_key=args.metrics_key,
         tokenizer=args.tokenizer, block_size=args.block_size, admin_key=args.admin_key,
         events_min_interval_s=args.kv_events_min_interval,
+        worker_kv_events=tuple(EventSource.parse(spec)
+                               for spec in getattr(args, "worker_kv_events", [])),
     )
 
 
@@ -166,6 +169,13 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     g = sub.add_parser("gateway", help="cache-aware gateway in front of OpenAI-compatible workers")
     g.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="a worker's base URL (repeatable): kvserve, vLLM or SGLang")
+    g.add_argument("--worker-kv-events", action="append", default=[],
+                   metavar="URL=ENDPOINT[,replay=ENDPOINT][,topic=T][,dp=N]",
+                   help="`precise`: follow this --worker's KV events over ZMQ (vLLM's "
+                        "--kv-events-config, or kvserve's); ENDPOINT as the worker was given "
+                        "it: tcp://*:PORT (the worker binds; the gateway connects to the URL's "
+                        "host) or tcp://HOST:PORT (the worker connects; the gateway binds it, so "
+                        "only one gateway can). Repeatable; other workers' /kv/events is polled")
     g.add_argument("--prefill-worker", action="append", default=[], metavar="URL",
                    help="disaggregated mode: a `kvserve serve --role prefill` worker "
                         "(repeatable; chosen by --policy); needs --decode-worker, --admin-key")

@@ -130,6 +130,17 @@ def engine_block_hashes(
     return tuple(hashes)
 
 
+def engine_block_hash(parent: bytes, token_ids: Sequence[int], extra: bytes | None) -> bytes:
+    """One link of `engine_block_hashes`' chain: the block after `parent` holding `token_ids`,
+    with `extra` = `engine_extra_keys(...)` for a first block and None for the others."""
+    framed = _NO_EXTRA if extra is None else len(extra).to_bytes(4, "little") + extra
+    try:
+        token_bytes = struct.pack(f"<{len(token_ids)}q", *token_ids)
+    except struct.error as exc:
+        raise ValueError(f"token ids must be signed 64-bit integers: {exc}") from exc
+    return hashlib.sha256(parent + framed + token_bytes).digest()
+
+
 @dataclass(frozen=True, slots=True)
 class RouteKey:
     """What a policy routes on: a request's chained block hashes (a shared head of them is a

@@ -19,7 +19,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,12 @@ class KVEventLog:
         self._last_seq = 0
         self._lock = threading.Lock()
         self._listener: Callable[[], None] | None = None
+        self._publisher: Callable[[Sequence[KVEvent]], None] | None = None
+
+    def set_publisher(self, publisher: Callable[[Sequence[KVEvent]], None] | None) -> None:
+        """Also hand each non-empty `extend`'s events, as given, to `publisher` (from the
+        appending thread): how a worker publishes them on vLLM's wire, one batch a step."""
+        self._publisher = publisher
 
     def set_listener(self, listener: Callable[[], None] | None) -> None:
         """Call `listener()` (from the appending thread, after the append) whenever events
@@ -72,9 +78,12 @@ class KVEventLog:
         return self._last_seq
 
     def extend(self, events: Iterable[KVEvent]) -> None:
-        converted = [event_dict(e) for e in events]
+        given = list(events)
+        converted = [event_dict(e) for e in given]
         if not converted:
             return
+        if self._publisher is not None:
+            self._publisher(given)
         with self._lock:
             for item in converted:
                 self._last_seq += 1

@@ -18,6 +18,7 @@ from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.event_waiters import EventWaiters, wait_for_event
 from kvserve.server.formatting import ChatFormatter, CompletionFormatter
 from kvserve.server.kv_prefill import PrefillRequest, PrefillService
+from kvserve.server.kv_publisher import ZmqKVEventPublisher
 from kvserve.server.kv_pull import KVPuller
 from kvserve.server.limits import BodySizeLimit, EchoRequestId
 from kvserve.server.metrics import ServerMetrics
@@ -66,16 +67,24 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     prefill = PrefillService(engine, metrics.transfer) if role is WorkerRole.PREFILL else None
 
     waiters: list[EventWaiters] = []  # set by the lifespan, on the serving loop
+    # Opened here, not in the lifespan, so a bad endpoint fails create_app (ValueError).
+    publisher = (ZmqKVEventPublisher(settings.kv_events)
+                 if settings.kv_events is not None and settings.kv_events.is_enabled else None)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         waiters.append(EventWaiters(asyncio.get_running_loop()))
         engine.engine.kv_events.set_listener(waiters[0].notify_threadsafe)
+        if publisher is not None:
+            engine.engine.kv_events.set_publisher(publisher.publish)
         if not engine.is_running and engine.error is None:
             engine.start()
         yield
         engine.engine.kv_events.set_listener(None)
         engine.shutdown(drain_timeout_s=settings.drain_timeout_s)
+        if publisher is not None:
+            engine.engine.kv_events.set_publisher(None)
+            publisher.close()
         if puller is not None:
             await puller.close()
 

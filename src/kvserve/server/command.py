@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
+from kvserve.kvevents.config import KVEventsConfig
 from kvserve.server.settings import ServerSettings, UntrustedSalt, WorkerRole
 from kvserve.server.vllm_flags import (
     add_engine_vllm_arguments,
@@ -164,6 +165,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="seconds one KV pull from a prefill worker may take (decode role)")
     # Set by `kvserve up`: the gateway is the URL to offer, so the worker only logs its own.
     p.add_argument("--behind-gateway", metavar="URL", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--kv-events-config", default=None, metavar="JSON",
+                   help="publish KV events on vLLM's ZMQ wire, vLLM's JSON shape, e.g. "
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
+                        "(the gateway follows it: --worker-kv-events)")
     p.set_defaults(func=run)
 
 
@@ -215,6 +221,8 @@ def run(args: argparse.Namespace) -> int:
         resolve_model(args)
         check_security(args)
         check_role(args)
+        kv_events = (KVEventsConfig.from_json(args.kv_events_config)
+                     if args.kv_events_config else None)
         engine_args = engine_args_from(args)
         rendezvous = None
         if engine_args.tensor_parallel_size > 1:
@@ -240,10 +248,14 @@ def run(args: argparse.Namespace) -> int:
         trusted_salt_key=args.trusted_salt_key, untrusted_salt=UntrustedSalt(args.untrusted_salt),
         metrics_key=args.metrics_key, tenant_metric_labels=args.tenant_metric_labels,
         enable_api_docs=args.enable_api_docs, max_stop_sequences=args.max_stop_sequences,
-        max_stop_chars=args.max_stop_chars,
+        max_stop_chars=args.max_stop_chars, kv_events=kv_events,
     )
     async_engine = AsyncEngine(engine)
-    app = create_app(async_engine, settings)
+    try:
+        app = create_app(async_engine, settings)
+    except ValueError as exc:
+        console.print(f"[red]cannot start: {exc}[/]", soft_wrap=True)
+        return 2
     # This process serves one engine for its whole life: freeze what start-up built (the block
     # pool's num_blocks objects, the model's modules) so full collections stop walking it again
     # and again, which paused steps for hundreds of milliseconds. (Not done in LLMEngine: a

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kvserve.kvevents.config import KVEventsConfig
+
 
 class WorkerRole(enum.StrEnum):
     """What a worker does in a disaggregated fleet (`kvserve serve --role`).
@@ -56,3 +58,4 @@ class ServerSettings:
     enable_api_docs: bool = False
     max_stop_sequences: int = 16
     max_stop_chars: int = 1024
+    kv_events: KVEventsConfig | None = None  # publish KV events on vLLM's ZMQ wire

@@ -42,6 +42,11 @@ class PrecisePolicy:
     Between sending a request and the worker's BlockStored for it (a long prefill), the sent
     prefix counts as pending (`observe`, a small LRU per worker), so a burst of one prefix does
     not scatter; events supersede it. `max_pending_blocks_per_worker=0` disables this.
+
+    A worker whose event stream is being resynchronised (`set_synced(worker, False)`: joined
+    late, restarted, lost events) has an unknown index, not an empty one: until it is synced
+    again its cached blocks count for nothing (only its pending ones do) and its footprint is
+    the synced workers' mean, so new prefixes neither flock to it nor avoid it.
     """
 
     name = "precise"
@@ -74,6 +79,17 @@ class PrecisePolicy:
         self.max_pending_blocks_per_worker = max_pending_blocks_per_worker
         self._cached: dict[str, BlockIndex] = {}
         self._pending: dict[str, BlockIndex] = {}
+        self._unsynced: set[str] = set()
+
+    def set_synced(self, worker_id: str, synced: bool) -> None:
+        """Whether the worker's index follows its events from a known state (class doc)."""
+        if synced:
+            self._unsynced.discard(worker_id)
+        else:
+            self._unsynced.add(worker_id)
+
+    def is_synced(self, worker_id: str) -> bool:
+        return worker_id not in self._unsynced
 
     def apply_events(
         self,
@@ -118,7 +134,11 @@ class PrecisePolicy:
         """Blocks the worker caches or is computing, as far as this policy knows: where a
         prefix nobody holds goes (the emptiest), until the workers' caches are all full."""
         pending = self._pending.get(worker_id)
-        return self.num_cached_blocks(worker_id) + (len(pending) if pending is not None else 0)
+        num_pending = len(pending) if pending is not None else 0
+        if worker_id in self._unsynced:
+            synced = [self.num_cached_blocks(w) for w in self._cached if w not in self._unsynced]
+            return num_pending + (sum(synced) // len(synced) if synced else 0)
+        return self.num_cached_blocks(worker_id) + num_pending
 
     def observe(self, request: RouteRequest, worker_id: str) -> None:
         """The worker is about to compute this prefix: count it as pending until events say."""
@@ -128,7 +148,7 @@ class PrecisePolicy:
         pending.touch_chain(request.prefix_hashes)
 
     def remove_worker(self, worker_id: str) -> None:
-        """Drop the worker's indexes."""
+        """Drop the worker's indexes (whether it is synced is its event follower's to say)."""
         self._cached.pop(worker_id, None)
         self._pending.pop(worker_id, None)
 
@@ -140,6 +160,8 @@ class PrecisePolicy:
     def _num_matched(self, worker_id: str, prefix_hashes: Sequence[bytes]) -> int:
         # A chain's head may be cached while its tail is still pending: count through both.
         cached, pending = self._cached.get(worker_id), self._pending.get(worker_id)
+        if worker_id in self._unsynced:
+            cached = None
         for idx, block_hash in enumerate(prefix_hashes):
             if not (
                 (cached is not None and block_hash in cached)

@@ -1,0 +1,81 @@
+"""End to end over ZMQ: kvserve workers publish their KV events on vLLM's wire
+(`--kv-events-config`), a `precise` gateway subscribes (`--worker-kv-events`), requests go
+through it with the official client, and the gateway's index matches what the workers cache."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.gateway.conftest import SALT_SECRET, MakeClient
+from tests.gateway.processes import Process, free_port, running_gateway, running_worker_set
+
+PROMPT = "The compliance checker reads every clause of the contract and flags the risky ones. " * 2
+
+
+def cached_hashes(worker: Process) -> set[str]:
+    """What the worker caches now, from its own event log."""
+    held: set[str] = set()
+    for event in worker.get("/kv/events", params={"after": 0, "limit": 65536}).json()["events"]:
+        if event["type"] == "stored":
+            held.update(event["block_hashes"])
+        elif event["type"] == "removed":
+            held.difference_update(event["block_hashes"])
+        else:
+            held.clear()
+    return held
+
+
+@pytest.fixture(scope="module")
+def zmq_fleet(tiny_model: Path, proc_logs: Path) -> Iterator[tuple[list[Process], Process]]:
+    ports = [(free_port(), free_port()) for _ in range(2)]
+    flag_sets = [["--kv-events-config", json.dumps({
+        "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
+        "replay_endpoint": f"tcp://*:{replay}", "topic": "kv"})] for pub, replay in ports]
+    with running_worker_set(tiny_model, proc_logs, flag_sets) as workers:
+        flags = ["--policy", "precise", "--salt-secret", SALT_SECRET]
+        for worker, (pub, replay) in zip(workers, ports, strict=True):
+            flags += ["--worker-kv-events",
+                      f"{worker.url}=tcp://*:{pub},replay=tcp://*:{replay},topic=kv"]
+        with running_gateway([w.url for w in workers], proc_logs, flags) as gateway:
+            yield workers, gateway
+
+
+def kv_state(gateway: Process) -> dict[str, dict[str, object]]:
+    return {w["url"]: w["kv_events"] for w in gateway.get("/workers").json()["workers"]}
+
+
+def test_the_gateway_follows_kvserve_workers_over_zmq_to_their_blocks(
+        zmq_fleet: tuple[list[Process], Process], make_client: MakeClient,
+        model_name: str) -> None:
+    workers, gateway = zmq_fleet
+    assert all(s["synced"] and s["source"] == "zmq" for s in kv_state(gateway).values())
+    client = make_client(gateway.url)
+    tenant = {"X-Tenant-Id": "acme"}
+    first = client.completions.with_raw_response.create(
+        model=model_name, prompt=PROMPT, max_tokens=2, temperature=0.0,
+        extra_headers=tenant)
+    first.parse()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the events arrive as the worker caches the blocks
+        counts = {url: sum(s["blocks_by_tier"].values()) for url, s in kv_state(gateway).items()}
+        if any(counts.values()):
+            break
+        time.sleep(0.1)
+    served = [w for w in workers if counts[w.url]]
+    assert len(served) == 1
+    worker = served[0]
+    # The index holds exactly the blocks the worker caches (every one of them on GPU).
+    assert kv_state(gateway)[worker.url]["blocks_by_tier"] == {"GPU": len(cached_hashes(worker))}
+    before = worker.metrics().value("vllm:prefix_cache_hits_total")
+    for _ in range(2):
+        client.completions.create(model=model_name, prompt=PROMPT, max_tokens=2,
+                                  temperature=0.0, extra_headers=tenant)
+    assert worker.metrics().value("vllm:prefix_cache_hits_total") > before  # same worker, hit
+    hits = gateway.metrics().value("kvserve:gateway_requests_total", worker=worker.url,
+                                   branch="precise_hit")
+    assert hits == 2
