@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.engine.structured import StructuredOutput
+
 MAX_LOGPROBS = 20
 
 
@@ -14,6 +16,7 @@ class SamplingParams:
     `temperature == 0` is greedy. `seed` makes sampling reproducible whatever else is in the
     batch. `stop` strings never appear in the output, nor does a partial one while streaming.
     `logprobs=k` returns the sampled token's logprob and the top k alternatives per token.
+    `structured`: the output must match it (a grammar masks every sampled token's logits).
     """
 
     n: int = 1
@@ -33,6 +36,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured: StructuredOutput | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +77,13 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
             (self.seed is None or isinstance(self.seed, int), "seed must be an integer"),
+            # The grammar ends the output with EOS once it accepts: nothing may follow it.
+            (self.structured is None or not self.ignore_eos,
+             "ignore_eos cannot be combined with structured output (the grammar ends the "
+             "output with EOS when it is complete)"),
+            (self.structured is None or self.min_tokens == 0,
+             "min_tokens cannot be combined with structured output (the grammar decides the "
+             "length)"),
         ]
         for ok, message in checks:
             if not ok:
