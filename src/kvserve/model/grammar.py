@@ -17,7 +17,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import llguidance
 import torch
@@ -25,11 +25,14 @@ import torch
 from kvserve.engine import Request, StructuredKind, StructuredOutput
 from kvserve.model.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # in the stubs only
+
 DEFAULT_CACHE_SIZE = 256
 # JSON without free whitespace: a weak or random model could otherwise fill its whole budget
 # with spaces inside a valid document (vLLM's --structured-outputs-config
 # disable_any_whitespace). Items and keys keep one space, as json.dumps writes them.
-_JSON_OPTIONS: dict[str, Any] = {
+_JSON_OPTIONS: "JsonCompileOptions" = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _BIT = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)  # [32]
 
