@@ -32,7 +32,7 @@ DEFAULT_CACHE_SIZE = 256
 # JSON without free whitespace: a weak or random model could otherwise fill its whole budget
 # with spaces inside a valid document (vLLM's --structured-outputs-config
 # disable_any_whitespace). Items and keys keep one space, as json.dumps writes them.
-_JSON_OPTIONS: "JsonCompileOptions" = {
+_JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _BIT = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)  # [32]
 
