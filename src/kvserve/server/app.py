@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,6 +24,8 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.serving import SSE_DONE, Call, Serving, sse, unless_client_leaves
 from kvserve.server.settings import ServerSettings, WorkerRole
+from kvserve.server.structured import structured_output
+from kvserve.server.tool_calls import plan_tools
 
 PREFILL_URL_HEADER = "x-kvserve-prefill-url"
 ADMIN_KEY_HEADER = "x-kvserve-admin-key"
@@ -154,6 +157,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         if body.best_of not in (None, body.n):
             raise APIError(400, "best_of must equal n (or be omitted)", param="best_of")
         params = body.sampling_params(body.max_tokens, body.logprobs)
+        constraint = structured_output(body)
+        if constraint is not None:
+            params = dataclasses.replace(params, structured=constraint)
         prompts = body.prompts()
         pull_from = pull_source(raw)
         call = serving.begin(raw, body.model, body.cache_salt)
@@ -187,12 +193,23 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         want_logprobs = body.logprobs
         params = body.sampling_params(body.effective_max_tokens,
                                       (body.top_logprobs or 0) if want_logprobs else None)
+        constraint = structured_output(body)
+        tools = plan_tools(body.tools, body.tool_choice, settings.tools)
+        if tools is not None and tools.constraint is not None:
+            if constraint is not None:
+                raise APIError(400, f"tool_choice {tools.mode!r} forces the output's form: "
+                               "send it without response_format or guided_*",
+                               param="response_format")
+            constraint = tools.constraint
+        if constraint is not None:
+            params = dataclasses.replace(params, structured=constraint)
         messages = [m.as_template_message() for m in body.messages]
         prompt = tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
                                        tools=body.tools)
         pull_from = pull_source(raw)
         call = serving.begin(raw, body.model, body.cache_salt)
-        fmt = ChatFormatter(tokenizer, call.request_id, call.created, model_name, want_logprobs)
+        fmt = ChatFormatter(tokenizer, call.request_id, call.created, model_name, want_logprobs,
+                            tools)
         if not body.stream:
             (output,) = await serving.collect(raw, call, [prompt], params, body.cache_salt,
                                               pull_from)

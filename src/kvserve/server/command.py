@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from kvserve.server.settings import ServerSettings, WorkerRole
+from kvserve.server.tool_flags import ToolSettings, add_tool_arguments, check_tool_arguments
 
 if TYPE_CHECKING:  # torch and the engine load only for `serve` itself, not for every command
     from kvserve.runtime import EngineArgs
@@ -93,6 +94,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "--kv-host-tier-bytes to receive into (default: both, one worker)")
     p.add_argument("--kv-transfer-timeout", type=float, default=60.0,
                    help="seconds one KV pull from a prefill worker may take (decode role)")
+    add_tool_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -124,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     try:
         check_role(args)
+        check_tool_arguments(args)
         engine_args = engine_args_from(args)
         with console.status(f"loading {args.model or 'the built-in demo model'} …"):
             engine = LLMEngine.from_args(engine_args)
@@ -135,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests,
         request_timeout_s=args.request_timeout or None, drain_timeout_s=args.drain_timeout,
         role=WorkerRole(args.role), kv_transfer_timeout_s=args.kv_transfer_timeout,
+        tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
     )
     app = create_app(AsyncEngine(engine), settings)
     # This process serves one engine for its whole life: freeze what start-up built (the block

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvserve.server.tool_flags import ToolSettings
 
 
 class WorkerRole(enum.StrEnum):
@@ -25,7 +27,7 @@ class ServerSettings:
     `request_timeout_s`: a server deadline per request (None: none). `api_key`: required on
     /v1 routes when set; `admin_key` (default: `api_key`) guards /debug routes and the KV
     transfer between workers. `role`: see `WorkerRole`; `kv_transfer_timeout_s` bounds one
-    KV pull (connect, prefill and every read)."""
+    KV pull (connect, prefill and every read). `tools`: how tool calls are parsed."""
 
     api_key: str | None = None
     admin_key: str | None = None
@@ -36,3 +38,4 @@ class ServerSettings:
     retry_after_s: int = 1
     role: WorkerRole = WorkerRole.BOTH
     kv_transfer_timeout_s: float = 60.0
+    tools: ToolSettings = field(default_factory=ToolSettings)
