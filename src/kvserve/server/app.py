@@ -194,7 +194,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         params = body.sampling_params(body.effective_max_tokens,
                                       (body.top_logprobs or 0) if want_logprobs else None)
         constraint = structured_output(body)
-        tools = plan_tools(body.tools, body.tool_choice, settings.tools)
+        tools = plan_tools(body.tools, body.tool_choice, settings.tools,
+                           body.parallel_tool_calls)
         if tools is not None and tools.constraint is not None:
             if constraint is not None:
                 raise APIError(400, f"tool_choice {tools.mode!r} forces the output's form: "

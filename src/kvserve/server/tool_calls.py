@@ -64,8 +64,9 @@ class ToolPlan:
 
 
 def plan_tools(tools: Sequence[dict[str, Any]] | None, tool_choice: Any,
-               settings: ToolSettings) -> ToolPlan | None:
-    """The request's plan, or None when no tool call can come out (no tools, or "none")."""
+               settings: ToolSettings, parallel_tool_calls: bool = True) -> ToolPlan | None:
+    """The request's plan, or None when no tool call can come out (no tools, or "none").
+    `parallel_tool_calls=False` makes `required` force exactly one call."""
     functions = _functions(tools or [])
     if tool_choice is None:
         tool_choice = "auto" if functions else "none"
@@ -85,8 +86,10 @@ def plan_tools(tools: Sequence[dict[str, Any]] | None, tool_choice: Any,
                                                    "parameters": params},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, params in functions.items()]
-        schema = {"type": "array", "minItems": 1,
-                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if not parallel_tool_calls:
+            schema["maxItems"] = 1
         return ToolPlan("required", StructuredOutput.json_schema(schema), None)
     if (isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
             and isinstance(tool_choice.get("function"), dict)):
