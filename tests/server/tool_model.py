@@ -9,6 +9,7 @@ starts at the chat template's last prompt token and writes, through ordinary add
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def write_tool_call_checkpoint(path: Path) -> Path:
     weights["model.norm.weight"] = torch.ones(hidden)
     lm_head = torch.zeros_like(weights["lm_head.weight"])  # [vocab, hidden]
     embed = weights["model.embed_tokens.weight"]
-    for k, (token, successor) in enumerate(zip(chain, chain[1:], strict=False)):
+    for k, (token, successor) in enumerate(itertools.pairwise(chain)):
         embed[token] = torch.nn.functional.one_hot(torch.tensor(k), hidden).float()
         lm_head[successor, k] = 5.0
     weights["lm_head.weight"] = lm_head

@@ -97,9 +97,14 @@ class HermesParser(ToolParser):
 
 
 class _HermesStream(ToolStream):
+    """Whitespace between and after calls is dropped (the template's line breaks), other text
+    is content wherever it is."""
+
     def __init__(self) -> None:
         self._buffer = ""
         self._in_call = False
+        self._seen_call = False
+        self._blank = ""  # whitespace after a call, sent only if more text follows
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._buffer += text
@@ -113,29 +118,42 @@ class _HermesStream(ToolStream):
                 self._in_call = False
                 call = _decode_call(body)
                 if call is None:  # not a call after all: give the text back as content
-                    content += _START + body + _END
+                    content += self._text(_START + body + _END)
                 else:
                     calls.append(call)
+                    self._seen_call = True
                 continue
             start = self._buffer.find(_START)
             if start >= 0:
-                content += self._buffer[:start]
+                before = self._buffer[:start]
+                if self._seen_call and not before.strip():
+                    self._blank = ""
+                else:
+                    content += self._text(before)
                 self._buffer = self._buffer[start + len(_START):]
                 self._in_call = True
                 continue
-            keep = _partial_suffix(self._buffer, _START)
-            cut = len(self._buffer) - keep
-            content += self._buffer[:cut]
+            cut = len(self._buffer) - _partial_suffix(self._buffer, _START)
+            content += self._text(self._buffer[:cut])
             self._buffer = self._buffer[cut:]
             return content, calls
+
+    def _text(self, text: str) -> str:
+        if not self._seen_call:
+            return text
+        self._blank += text
+        if not self._blank.strip():
+            return ""
+        out, self._blank = self._blank, ""
+        return out
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         rest, self._buffer = self._buffer, ""
         if not self._in_call:
-            return rest, []
+            return self._text(rest), []
         self._in_call = False
         call = _decode_call(rest)  # the model ended (EOS) right after the call's JSON
-        return ("", [call]) if call is not None else (_START + rest, [])
+        return ("", [call]) if call is not None else (self._text(_START + rest), [])
 
 
 class Llama3JsonParser(ToolParser):
