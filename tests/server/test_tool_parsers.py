@@ -39,14 +39,15 @@ def _splits(text: str) -> list[list[str]]:
     (HermesParser(), HERMES, "Let me look. ",
      [("get_weather", {"city": "Oslo"}), ("add", {"a": 1, "b": 2})]),
     (HermesParser(), "no calls, just <tool text", "no calls, just <tool text", []),
-    (HermesParser(), "<tool_call>not json</tool_call> after", "<tool_call>not json</tool_call> after",
-     []),
-    (HermesParser(), '<tool_call>{"name": "f", "arguments": {}}', "", [("f", {})]),  # EOS, no end tag
+    (HermesParser(), "<tool_call>not json</tool_call> after",
+     "<tool_call>not json</tool_call> after", []),
+    # EOS right after the JSON, no end tag
+    (HermesParser(), '<tool_call>{"name": "f", "arguments": {}}', "", [("f", {})]),
     (Llama3JsonParser(), LLAMA3, "", [("add", {"a": 1}), ("f", {})]),
     (Llama3JsonParser(), '  {"name": "g", "arguments": {"x": [1]}}', "", [("g", {"x": [1]})]),
     (Llama3JsonParser(), "Plain answer {not a call}", "Plain answer {not a call}", []),
-    (Llama3JsonParser(), '{"name": "g", "arguments": {"x": 1}', '{"name": "g", "arguments": {"x": 1}',
-     []),  # cut: stays content
+    (Llama3JsonParser(), '{"name": "g", "arguments": {"x": 1}',  # cut: stays content
+     '{"name": "g", "arguments": {"x": 1}', []),
 ])
 def test_whole_and_every_streamed_split_agree(parser: ToolParser, text: str, content: str,
                                               calls: list[tuple[str, object]]) -> None:
