@@ -12,6 +12,7 @@ from kvserve.bench import (
     disagg_cli,
     engine_cli,
     gateway_cli,
+    grammar_cli,
     kvcache_cli,
     preemption_cli,
     profile_cli,
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     preemption_cli.add_parser(benches)
     attention_cli.add_parser(benches)
     router_cpu_cli.add_parser(benches)
+    grammar_cli.add_parser(benches)
     serve_command.add_parser(commands)
     gateway_command.add_parsers(commands)
     simulate_command.add_parser(commands)

@@ -27,8 +27,8 @@ class StructuredOutput:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | bool) -> StructuredOutput:
-        return cls(StructuredKind.JSON_SCHEMA, json.dumps(schema, sort_keys=True,
-                                                         separators=(",", ":")))
+        # Keys keep their order: the output writes properties in the schema's order.
+        return cls(StructuredKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")))
 
     @classmethod
     def json_object(cls) -> StructuredOutput:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import llguidance
+import numpy as np
 import torch
 
 from kvserve.engine import Request, StructuredKind, StructuredOutput
@@ -34,7 +35,6 @@ DEFAULT_CACHE_SIZE = 256
 # disable_any_whitespace). Items and keys keep one space, as json.dumps writes them.
 _JSON_OPTIONS: JsonCompileOptions = {
     "whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-_BIT = torch.tensor([1 << i for i in range(32)], dtype=torch.int64)  # [32]
 
 
 class GrammarError(ValueError):
@@ -137,10 +137,24 @@ class GrammarMasks:
         for j, i in enumerate(rows):
             matcher = self._synced(requests[i])
             matcher.unsafe_compute_mask_ptr(bitmask[j].data_ptr(), words * 4)
-        bits = (bitmask.to(torch.int64).unsqueeze(-1) & _BIT) != 0  # [rows, words, 32]
-        allowed = bits.view(len(rows), -1)[:, : logits.shape[1]].to(logits.device)
-        index = torch.tensor(rows, device=logits.device)
-        logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
+        self.apply_bitmask(logits, rows, bitmask)
+
+    @staticmethod
+    def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> None:
+        """Set to -inf the logits of `rows` whose bit in `bitmask` ([len(rows), words] int32,
+        bit j of word w allows token 32 * w + j) is clear."""
+        vocab = logits.shape[1]
+        # numpy's unpackbits: one pass over the bytes, no [rows, vocab] int64 temporaries.
+        allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1,
+                                bitorder="little")[:, :vocab]  # [rows, vocab] uint8
+        if logits.device.type == "cpu" and logits.is_contiguous():
+            values = logits.numpy()  # shares memory
+            for j, i in enumerate(rows):
+                np.copyto(values[i], -np.inf, where=allowed[j] == 0)
+            return
+        blocked = torch.from_numpy(allowed == 0).to(logits.device)  # [rows, vocab]
+        for j, i in enumerate(rows):
+            logits[i].masked_fill_(blocked[j], float("-inf"))
 
     def _synced(self, request: Request) -> llguidance.LLMatcher:
         """The request's matcher, caught up with its committed output tokens."""
