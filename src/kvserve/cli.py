@@ -18,6 +18,7 @@ from kvserve.bench import (
     profile_cli,
     router_cpu_cli,
     serve_cli,
+    structured_cli,
 )
 from kvserve.gateway import command as gateway_command
 from kvserve.ops import doctor_command
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     attention_cli.add_parser(benches)
     router_cpu_cli.add_parser(benches)
     grammar_cli.add_parser(benches)
+    structured_cli.add_parser(benches)
     serve_command.add_parser(commands)
     gateway_command.add_parsers(commands)
     simulate_command.add_parser(commands)

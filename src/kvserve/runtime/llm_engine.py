@@ -130,6 +130,7 @@ class LLMEngine:
         eos = frozenset(loaded.eos_token_ids) | (
             {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         grammars = Grammars(tokenizer, config.vocab_size, eos)
+        grammars.prepare_in_background()
         runner = ModelRunner(loaded.model, kv_caches, args.block_size,
                              Sampler(args.seed, loaded.device, GrammarMasks(grammars)),
                              host_kv_caches, disk.caches if disk else ())
