@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -13,7 +14,15 @@ import openai
 import pytest
 
 from kvserve.model import write_random_checkpoint
-from tests.model.arch_configs import base_config
+from tests.data.vllm_responses.structured_requests import (
+    ADD,
+    MESSAGES,
+    REQUESTS,
+    WEATHER,
+    shape,
+    shape_model,
+)
+from tests.data.vllm_responses.structured_requests import TOOLS as FORCED_TOOLS
 from tests.server.harness import ServerProcess
 from tests.server.tool_model import (
     EXPECTED_CALL,
@@ -22,16 +31,6 @@ from tests.server.tool_model import (
     write_tool_call_checkpoint,
 )
 
-MESSAGES = [{"role": "user", "content": "Use a tool."}]
-WEATHER = {"type": "object", "properties": {
-    "city": {"enum": ["Paris", "Oslo", "Lima"]}, "unit": {"enum": ["c", "f"]}},
-    "required": ["city", "unit"], "additionalProperties": False}
-ADD = {"type": "object", "properties": {
-    "a": {"type": "integer", "minimum": 0, "maximum": 99},
-    "b": {"type": "integer", "minimum": 0, "maximum": 99}},
-    "required": ["a", "b"], "additionalProperties": False}
-FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-                {"type": "function", "function": {"name": "add", "parameters": ADD}}]
 SCHEMAS = {"get_weather": WEATHER, "add": ADD}
 LONG_CONTEXT = ["--max-model-len", "1024"]  # the template writes the tools into the prompt
 
@@ -40,8 +39,7 @@ LONG_CONTEXT = ["--max-model-len", "1024"]  # the template writes the tools into
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """A random Llama with room for the tools in its prompt."""
     root = tmp_path_factory.mktemp("tools-llama")
-    path = write_random_checkpoint(root / "tiny-llama", base_config(max_position_embeddings=1024),
-                                   seed=7)
+    path = write_random_checkpoint(root / "tiny-llama", shape_model(), seed=7)
     server = ServerProcess(path, root / "servers", LONG_CONTEXT)
     try:
         server.wait_healthy()
@@ -174,3 +172,56 @@ def test_unsupported_tool_requests_are_a_400(server: ServerProcess, kwargs: dict
         client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8,
                                        **kwargs)  # type: ignore[call-overload]
     assert needle in info.value.message
+
+
+RECORDED = Path(__file__).parents[1] / "data" / "vllm_responses" / "structured_responses.json"
+# Fields vLLM adds beyond OpenAI's that kvserve does not (yet) send.
+VLLM_ONLY = {"prompt_logprobs", "prompt_token_ids", "kv_transfer_params", "service_tier",
+             "system_fingerprint", "stop_reason", "token_ids", "reasoning_content", "reasoning",
+             "refusal", "annotations", "audio", "function_call"}
+
+
+def _compare(ours: Any, theirs: Any, path: str, missing: set[str]) -> None:
+    """Every field kvserve sends, vLLM sends with the same type; vLLM's others go to
+    `missing`."""
+    if ours is None or theirs is None:
+        return  # null where the other has a value: both are valid for these fields
+    if isinstance(theirs, dict):
+        assert isinstance(ours, dict), (path, ours, theirs)
+        for key in ours:
+            assert key in theirs, f"{path}.{key}: kvserve sends it, vLLM does not"
+            _compare(ours[key], theirs[key], f"{path}.{key}", missing)
+        missing.update(f"{path}.{key}" for key in theirs if key not in ours)
+    elif isinstance(theirs, list):
+        assert isinstance(ours, list), (path, ours, theirs)
+        if ours and theirs:
+            _compare(ours[0], theirs[0], f"{path}[]", missing)
+    else:
+        assert ours == theirs or {ours, theirs} == {"int", "float"}, (path, ours, theirs)
+
+
+@pytest.mark.parametrize("name", sorted(REQUESTS))
+def test_response_shapes_match_vllms_field_by_field(server: ServerProcess, name: str) -> None:
+    recorded = json.loads(RECORDED.read_text(encoding="utf-8"))["responses"][name]
+    body = {"model": _client(server)[1]} | REQUESTS[name]
+    with server.client() as http:
+        if body.get("stream"):
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                ours = [json.loads(line[6:]) for line in response.iter_lines()
+                        if line.startswith("data: ") and line != "data: [DONE]"]
+            theirs = recorded["chunks"]
+            pairs = [(ours[0], theirs[0]), (ours[-1], theirs[-1])]
+            calls = [c for c in ours if any(ch["delta"].get("tool_calls") for ch in c["choices"])]
+            their_calls = [c for c in theirs
+                           if any(ch["delta"].get("tool_calls") for ch in c["choices"])]
+            assert calls and their_calls
+            pairs.append((calls[0], their_calls[0]))
+        else:
+            response = http.post("/v1/chat/completions", json=body)
+            assert response.status_code == recorded["status"] == 200
+            pairs = [(response.json(), recorded["body"])]
+    missing: set[str] = set()
+    for ours_body, their_body in pairs:
+        _compare(shape(ours_body), shape(their_body), "", missing)
+    unexpected = {m for m in missing if m.rsplit(".", 1)[-1] not in VLLM_ONLY}
+    assert not unexpected, f"vLLM sends fields kvserve lacks: {sorted(unexpected)}"

@@ -19,9 +19,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-from kvserve.bench.server_launch import VLLM, LaunchedServer, LaunchSpec  # noqa: E402
-from kvserve.model import write_random_checkpoint  # noqa: E402
-from tests.data.vllm_responses.structured_requests import REQUESTS, shape_model  # noqa: E402
+from kvserve.bench.server_launch import VLLM, LaunchedServer, LaunchSpec
+from kvserve.model import write_random_checkpoint
+from tests.data.vllm_responses.structured_requests import REQUESTS, shape_model
 
 
 def main() -> None:
