@@ -33,6 +33,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--requests", type=int, default=8, help="measured requests per mode")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--vllm-eager", action="store_true",
+                   help="start vLLM with --enforce-eager (no compile warm-up: starts in time on "
+                        "a loaded machine)")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds per server")
     p.add_argument("--json", action="store_true", help="one JSON object per server")
     p.set_defaults(func=run)
 
@@ -40,11 +44,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def run(args: argparse.Namespace) -> int:
     spec = LaunchSpec(Path(args.model), "bench-model", kv_cache_bytes=256 << 20,
                       max_model_len=1024, max_num_seqs=8, max_num_batched_tokens=1024,
-                      num_threads=args.threads)
+                      num_threads=args.threads, vllm_eager=args.vllm_eager)
     log_dir = Path(tempfile.mkdtemp(prefix="kvserve-bench-structured-"))
     for name in args.servers.split(","):
         try:
-            with LaunchedServer(name, spec, log_dir, startup_timeout_s=300) as server:
+            with LaunchedServer(name, spec, log_dir, args.startup_timeout) as server:
                 row = measure(server.url, spec.served_model_name, args.requests,
                               args.max_tokens) | {"server": name}
         except LaunchError as exc:
