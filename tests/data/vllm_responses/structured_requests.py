@@ -38,8 +38,10 @@ REQUESTS: dict[str, dict[str, Any]] = {
 
 
 def shape_model() -> dict[str, Any]:
-    """The tiny random Llama both servers answer with (room for the tools in the prompt)."""
-    return base_config(max_position_embeddings=1024)
+    """The tiny random Llama both servers answer with: room for the tools in the prompt, and
+    head_dim 32 (vLLM's CPU attention has no kernel for 16)."""
+    return base_config(max_position_embeddings=1024, hidden_size=128, num_attention_heads=4,
+                       num_key_value_heads=2)
 
 
 def shape(value: Any) -> Any:
