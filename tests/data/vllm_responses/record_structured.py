@@ -29,7 +29,9 @@ def main() -> None:
     path = write_random_checkpoint(root / "tiny-llama", shape_model(), seed=7)
     spec = LaunchSpec(path, "tiny-llama", kv_cache_bytes=64 << 20, max_model_len=1024,
                       max_num_seqs=4, max_num_batched_tokens=1024, num_threads=1,
-                      vllm_eager=True)
+                      vllm_eager=True,
+                      # vLLM 0.32 refuses tool_choice "required" and named without a parser.
+                      extra_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
     out: dict[str, object] = {}
     with LaunchedServer(VLLM, spec, root, startup_timeout_s=900) as server, \
             httpx.Client(base_url=server.url, timeout=300.0) as client:
