@@ -16,11 +16,13 @@ from kvserve.bench import (
     disagg_cli,
     engine_cli,
     gateway_cli,
+    grammar_cli,
     kvcache_cli,
     preemption_cli,
     profile_cli,
     router_cpu_cli,
     serve_cli,
+    structured_cli,
     tp_cli,
 )
 from kvserve.gateway import command as gateway_command
@@ -47,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     tp_cli.add_parser(benches)
     attention_cli.add_parser(benches)
     router_cpu_cli.add_parser(benches)
+    grammar_cli.add_parser(benches)
+    structured_cli.add_parser(benches)
     serve_command.add_parser(commands)
     gateway_command.add_parsers(commands)
     simulate_command.add_parser(commands)

@@ -7,6 +7,7 @@ from kvserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from kvserve.engine.request import FinishReason, Request, RequestStatus, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from kvserve.engine.structured import StructuredKind, StructuredOutput
 
 __all__ = [
     "EngineCore",
@@ -23,6 +24,8 @@ __all__ = [
     "Scheduler",
     "SchedulerConfig",
     "SchedulerOutput",
+    "StructuredKind",
+    "StructuredOutput",
     "TokenDecoder",
     "TokenLogprob",
 ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.engine.structured import StructuredOutput
+
 MAX_LOGPROBS = 20
 
 
@@ -19,6 +21,7 @@ class SamplingParams:
     only (no text, so no stop strings). `truncate_prompt_tokens=k` keeps the prompt's last k
     tokens. `best_of` is accepted only equal to `n` (kvserve returns every sample it draws).
     `spaces_between_special_tokens` must stay True: the fast tokenizer's decoder decides.
+    `structured`: the output must match it (a grammar masks every sampled token's logits).
     """
 
     n: int = 1
@@ -43,6 +46,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     best_of: int | None = None
     spaces_between_special_tokens: bool = True
+    structured: StructuredOutput | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -95,6 +99,13 @@ class SamplingParams:
             (self.spaces_between_special_tokens,
              "spaces_between_special_tokens=False is not supported: the fast tokenizer's "
              "decoder joins special tokens as tokenizer.json says; leave it True"),
+            # The grammar ends the output with EOS once it accepts: nothing may follow it.
+            (self.structured is None or not self.ignore_eos,
+             "ignore_eos cannot be combined with structured output (the grammar ends the "
+             "output with EOS when it is complete)"),
+            (self.structured is None or self.min_tokens == 0,
+             "min_tokens cannot be combined with structured output (the grammar decides the "
+             "length)"),
         ]
         for ok, message in checks:
             if not ok:

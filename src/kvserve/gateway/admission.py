@@ -11,11 +11,9 @@ A request is refused on arrival, not after waiting out the timeout, when the que
 would take longer than it may wait, at the rate slots have been freed over the last
 `RATE_WINDOW_S` (`service_rate`); but not one whose client counts a 429 as one of its few
 retries (an SDK, `client_timeout.refusals_spend_retries`), which waits its turn instead
-(`acquire(refuse_on_arrival=False)`): refused on arrival each time, such requests were lost
-a second or two after their first send, a third of a storm's requests (`kvserve bench gateway
---sdk-retries`, docs/benchmarks.md, thirteenth session). Retry-After stays `retry_after_s`
-(1 s): telling clients the queue's drain time instead was measured to leave the fleet idle
-while they waited (`kvserve bench gateway`, overload, docs/benchmarks.md).
+(`acquire(refuse_on_arrival=False)`), since refusing it on arrival each time loses it within
+seconds. Retry-After stays `retry_after_s` (1 s): the queue's drain time instead leaves the
+fleet idle while clients wait (docs/benchmarks.md, "Gateway").
 
 The queue is ordered by when each request was first asked for (`since`, from
 `seniority.Seniority`), not by when this attempt arrived: a client's resend after a 429 or a
@@ -31,8 +29,8 @@ With `latency` the limit is also at most that AIMD limit (`latency_limit.py`), w
 when admitted requests start answering late and so bounds a fleet whose batch capacity says
 nothing of its speed; while `latency_applies()` is False (every worker declares its batch and
 enforces its clients' deadlines itself, and the operator set no TTFT target) the AIMD limit
-neither bounds nor learns, since a cut there only turned away requests the fleet would have
-answered in time (docs/benchmarks.md, tenth session).
+neither bounds nor learns, since a cut there only turns away requests the fleet would have
+answered in time.
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
     """The routing and admission flags `kvserve gateway` and `kvserve up` share."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
-    # cache_aware kept the ideal split's hit rate with one gateway and behind 2 and 4 replicas
-    # (docs/benchmarks.md, twelfth session), where prefix_hash's rendezvous split of a few
-    # tenants can be uneven and precise costs more of the gateway's CPU.
+    # cache_aware keeps the ideal split's hit rate with one gateway and behind replicas, where
+    # prefix_hash's split of a few tenants can be uneven and precise costs more CPU
+    # (docs/benchmarks.md, "Gateway").
     p.add_argument("--policy", choices=POLICY_NAMES, default="cache_aware")
     p.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
                    help="a keyword option of the policy (repeatable), e.g. backlog_weight=0.5 "
@@ -231,10 +231,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 def one_gateway_policy_options(policy: str, options: list[str]) -> list[str]:
     """`kvserve up`'s policy options: `cache_aware` places a prefix no index holds on the
     emptiest index (`cold_placement=footprint`) unless told otherwise, since `up` runs one
-    gateway, with no replica to agree with. Simulated on 16 workers and 48 tenants with 25-30k-
-    token prefixes (docs/benchmarks.md, twelfth session), footprint's TTFT p99 was lower than
-    rendezvous placement's on 3 of 3 seeds, at the same hit rate; `kvserve gateway` keeps
-    rendezvous, which its replicas share."""
+    gateway, with no replica to agree with, and footprint placement keeps cold prefills apart
+    (a lower TTFT tail at the same hit rate: docs/benchmarks.md, "Fleet simulator");
+    `kvserve gateway` keeps rendezvous, which its replicas share."""
     if policy != "cache_aware" or "cold_placement" in parse_policy_options(options):
         return options
     return [*options, "cold_placement=footprint"]

@@ -13,12 +13,10 @@ caller, and the Retry-After sleep may overshoot its turn. Admitted any later, it
 answering after its client gave up, and its prefill would be for nobody.
 
 The shorter bound stays a floor: where answers take nearly the clients' whole timeout (a storm
-far beyond the fleet, `kvserve simulate`), waiting only while an answer could still come in
-time turned every wait into an immediate 429, the queue's order was lost, and the tail grew.
-How much answer time to leave was measured (`kvserve bench gateway --cases overload
---overload 24`, 3 s clients, four seeds, docs/benchmarks.md, eleventh session): leaving it
-twice gave a p99 of 3.1-5.0 s, once (this rule) 2.4-4.8 s with no client timing out, half
-2.3-3.7 s but 8 clients timed out after admission on one seed, each a prefill for nobody.
+far beyond the fleet), waiting only while an answer could still come in time would turn every
+wait into an immediate 429 and lose the queue's order. The recent answer time is left once:
+twice lengthens the tail, half lets clients time out after admission, each a prefill for
+nobody (docs/benchmarks.md, "Gateway").
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Workers' KV capacity in the units of text keys, for a policy that forgets at capacity.
 
 Text keys (no tokenizer in the gateway's keys) count a 256-character block as 64 tokens, 4
-characters a token (`prefix.CHARS_PER_TOKEN`). Real traffic differs: `kvserve bench gateway`'s
-prompts have 5.4 characters a token, so a worker's 16,384 tokens are 348 text blocks, not 256,
-and an index capped at 256 forgot tenants its worker still cached (skew case: 0.901 against
-0.907 at the true capacity, docs/benchmarks.md). Where the workers' tokenizer is at hand (the
+characters a token (`prefix.CHARS_PER_TOKEN`). Real traffic differs, and an index capped at the
+assumed ratio forgets tenants its worker still caches. Where the workers' tokenizer is at hand (the
 model directory a worker's /v1/models names, as for `precise`), a sample of the completion
 prompts sent is tokenized to measure characters per token: every prompt until MIN_SAMPLES are
 measured, then one in `every`. Every worker's capacity is given to the policy scaled by
@@ -12,9 +10,7 @@ measured / assumed characters per token: its capacity in the tokens text keys co
 tokenizer the capacity passes unscaled.
 
 The first prompts are all sampled because the index fills from the first requests: sampling
-one in 32 from the start left the assumed ratio in place for 128 prompts, most of a
-160-request run, and under 12x overload the index forgot tenants its workers still held (hit
-rate 0.891 against 0.910 uncapped, `kvserve bench gateway`, docs/benchmarks.md).
+sparsely from the start would leave the assumed ratio in place while the index fills.
 """
 
 from __future__ import annotations

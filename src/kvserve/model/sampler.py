@@ -1,5 +1,5 @@
-"""Turning a step's logits into tokens: penalties, temperature, top-k/top-p/min-p, seeds,
-logprobs.
+"""Turning a step's logits into tokens: penalties, grammar masks, temperature,
+top-k/top-p/min-p, seeds, logprobs.
 
 Every request samples from its own `torch.Generator`, seeded from its `seed` when it has one, so
 a seeded request draws the same tokens whatever else shares its batch.
@@ -12,13 +12,16 @@ from collections.abc import Sequence
 import torch
 
 from kvserve.engine import Request, SampledToken, SamplingParams, TokenLogprob
+from kvserve.model.grammar import GrammarMasks
 
 
 class Sampler:
     """Samples one token per row of logits; keeps each live request's generator."""
 
-    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu",
+                 grammar_masks: GrammarMasks | None = None) -> None:
         self.device = torch.device(device)
+        self.grammar_masks = grammar_masks  # None: requests with a constraint are refused
         self._seed_source = torch.Generator(device="cpu").manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
 
@@ -26,6 +29,8 @@ class Sampler:
         """Forget the generators of requests that ended."""
         for request_id in request_ids:
             self._generators.pop(request_id, None)
+        if self.grammar_masks is not None:
+            self.grammar_masks.release(request_ids)
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampledToken]:
         """`logits`: [num_requests, vocab] (float32), row i for `requests[i]`."""
@@ -35,6 +40,8 @@ class Sampler:
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)  # [num_requests, vocab]
         logits = self._apply_penalties(logits, requests)
+        if self.grammar_masks is not None:
+            self.grammar_masks.apply(logits, requests)  # greedy and random rows alike
         token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
 
         greedy = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]

@@ -78,6 +78,11 @@ class Tokenizer:
         """Number of token ids, added tokens included."""
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (grammar libraries build their token tables
+        from it)."""
+        return self._tokenizer.to_str()
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; special tokens per tokenizer.json's post-processor."""
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids

@@ -36,6 +36,7 @@ from kvserve.model import (
     kv_cache_bytes_per_block,
     resolve_model_path,
 )
+from kvserve.model.grammar import GrammarMasks, Grammars
 from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
 from kvserve.model.tensor_parallel import ShardSpec, check_shardable
@@ -93,6 +94,7 @@ class LLMEngine:
         self.clock = clock
         self.last_audit: AuditReport | None = None
         self.model_path: Path | None = None  # the checkpoint directory, once loaded
+        self.grammars: Grammars | None = None  # compiles structured-output constraints
         self.kv_events = KVEventLog()  # the cache's events, drained every step (routers poll)
         self.step_tokens = StepTokens()  # tokens computed per step that computed any
         self._outputs: dict[str, RequestOutput] = {}  # live requests by id
@@ -167,9 +169,13 @@ class LLMEngine:
         disk = allocate_disk_kv_caches(rank_config, num_disk_slots, args.block_size,
                                        dtype=loaded.dtype, path=args.kv_disk_tier_path
                                        ) if num_disk_slots and args.kv_disk_tier_path else None
+        eos = frozenset(loaded.eos_token_ids) | (
+            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        grammars = Grammars(tokenizer, config.vocab_size, eos)
+        grammars.prepare_in_background()
         runner = ModelRunner(loaded.model, kv_caches, args.block_size,
-                             Sampler(args.seed, loaded.device), host_kv_caches,
-                             disk.caches if disk else ())
+                             Sampler(args.seed, loaded.device, GrammarMasks(grammars)),
+                             host_kv_caches, disk.caches if disk else ())
         executor: ModelRunner | TensorParallelExecutor = runner
         collective_stats = None
         if group is not None:
@@ -179,12 +185,11 @@ class LLMEngine:
                                               max_model_len, args.audit_interval_steps,
                                               args.idle_audit_interval_s,
                                               PreemptionMode(args.preemption_mode)), kv_cache)
-        eos = frozenset(loaded.eos_token_ids) | (
-            {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         engine = cls(args, tokenizer, core=None, kv_cache=kv_cache,  # type: ignore[arg-type]
                      model_name=name, max_model_len=max_model_len, eos_token_ids=eos)
         engine.model_path = Path(loaded.path)
         engine.collective_stats = collective_stats
+        engine.grammars = grammars
         engine.core = EngineCore(scheduler, executor, tokenizer, engine.clock,
                                  on_audit=engine._record_audit)
         if isinstance(executor, TensorParallelExecutor):
@@ -229,7 +234,8 @@ class LLMEngine:
         """Queue a request. Raises ValueError (nothing queued) for an empty or too-long prompt,
         token ids outside the vocabulary, or a request id already in use. `kv_import`: the
         request takes over the open KV import of the same id (kvserve.kvcache.imports; n = 1
-        only). `on_finish(output)` runs on the engine thread with the final output.
+        only). `on_finish(output)` runs on the engine thread with the final output. A
+        `params.structured` constraint that does not compile is a ValueError naming why.
         `deadline` / `first_token_deadline` (engine clock): the request ends with TIMEOUT when
         it is not done / has no output token by then. `max_tokens_within_context`: refuse (as
         vLLM's server does) a prompt plus max_tokens beyond max_model_len, instead of ending
@@ -241,6 +247,10 @@ class LLMEngine:
         if kv_import and (params.n != 1 or imports is None or request_id not in imports.imports):
             raise ValueError(f"request {request_id!r} has no open KV import to take (n must "
                              "be 1 and the worker needs a host tier)")
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError("this engine has no grammar backend for structured output")
+            self.grammars.check(params.structured)
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt)
         if params.truncate_prompt_tokens is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +26,8 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.serving import SSE_DONE, Call, Serving, sse, unless_client_leaves
 from kvserve.server.settings import ServerSettings, WorkerRole
+from kvserve.server.structured import structured_output
+from kvserve.server.tool_calls import plan_tools
 from kvserve.server.trust import SaltTrust
 from kvserve.server.vllm_routes import add_vllm_routes, model_card
 
@@ -188,6 +191,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
             scored = body.logprobs  # the echoed prompt's logprobs, as vLLM
         params = body.sampling_params(body.max_tokens if generate else 1, body.logprobs,
                                       prompt_logprobs=scored)
+        constraint = structured_output(body)
+        if constraint is not None:
+            params = dataclasses.replace(params, structured=constraint)
         prompts = body.prompts()
         pull_from = pull_source(raw)
         call = serving.begin(raw, body.model, body.cache_salt)
@@ -222,13 +228,25 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         want_logprobs = body.logprobs
         params = body.sampling_params(body.effective_max_tokens,
                                       (body.top_logprobs or 0) if want_logprobs else None)
+        constraint = structured_output(body)
+        tools = plan_tools(body.tools, body.tool_choice, settings.tools,
+                           body.parallel_tool_calls)
+        if tools is not None and tools.constraint is not None:
+            if constraint is not None:
+                raise APIError(400, f"tool_choice {tools.mode!r} forces the output's form: "
+                               "send it without response_format or guided_*",
+                               param="response_format")
+            constraint = tools.constraint
+        if constraint is not None:
+            params = dataclasses.replace(params, structured=constraint)
         messages = [m.as_template_message() for m in body.messages]
         prompt = tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt,
                                        tools=body.tools)
         pull_from = pull_source(raw)
         call = serving.begin(raw, body.model, body.cache_salt)
         cache_salt = call.cache_salt
-        fmt = ChatFormatter(tokenizer, call.request_id, call.created, model_name, want_logprobs)
+        fmt = ChatFormatter(tokenizer, call.request_id, call.created, model_name, want_logprobs,
+                            tools)
         if not body.stream:
             (output,) = await serving.collect(raw, call, [prompt], params, cache_salt,
                                               pull_from)

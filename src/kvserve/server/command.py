@@ -16,6 +16,7 @@ from rich.console import Console
 
 from kvserve.kvevents.config import KVEventsConfig
 from kvserve.server.settings import ServerSettings, UntrustedSalt, WorkerRole
+from kvserve.server.tool_flags import ToolSettings, add_tool_arguments, check_tool_arguments
 from kvserve.server.vllm_flags import (
     add_engine_vllm_arguments,
     add_server_vllm_arguments,
@@ -170,6 +171,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
                         '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
                         "(the gateway follows it: --worker-kv-events)")
+    add_tool_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -221,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         resolve_model(args)
         check_security(args)
         check_role(args)
+        check_tool_arguments(args)
         kv_events = (KVEventsConfig.from_json(args.kv_events_config)
                      if args.kv_events_config else None)
         engine_args = engine_args_from(args)
@@ -249,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         metrics_key=args.metrics_key, tenant_metric_labels=args.tenant_metric_labels,
         enable_api_docs=args.enable_api_docs, max_stop_sequences=args.max_stop_sequences,
         max_stop_chars=args.max_stop_chars, kv_events=kv_events,
+        tools=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser),
     )
     async_engine = AsyncEngine(engine)
     try:

@@ -10,6 +10,8 @@ from kvserve import __version__
 from kvserve.engine import TokenLogprob
 from kvserve.model import Tokenizer
 from kvserve.runtime import CompletionOutput, RequestOutput
+from kvserve.server.tool_calls import ToolPlan
+from kvserve.server.tool_parsers import ToolCall, ToolStream
 
 SYSTEM_FINGERPRINT = f"kvserve-{__version__}"
 
@@ -229,10 +231,11 @@ class CompletionFormatter:
 
 
 class ChatFormatter:
-    """Bodies for /v1/chat/completions."""
+    """Bodies for /v1/chat/completions. With a `tools` plan, each choice's text is read into
+    content and `tool_calls` (streamed: `delta.tool_calls`), finish_reason "tool_calls"."""
 
     def __init__(self, tokenizer: Tokenizer, request_id: str, created: int, model: str,
-                 want_logprobs: bool) -> None:
+                 want_logprobs: bool, tools: ToolPlan | None = None) -> None:
         self.tokenizer = tokenizer
         self.id = f"chatcmpl-{request_id}"
         self.created = created
@@ -240,18 +243,54 @@ class ChatFormatter:
         self.want_logprobs = want_logprobs
         self._role_sent: set[int] = set()
         self._cursor = _StreamCursor()
+        self.tools = tools
+        self._tool_streams: dict[int, ToolStream] = {}
+        self._num_calls: dict[int, int] = {}  # calls sent per choice
+
+    def _finish_reason(self, c: CompletionOutput, called: bool) -> str | None:
+        reason = finish_reason(c)
+        if (called and reason == "stop" and self.tools is not None
+                and self.tools.finishes_with_tool_calls):
+            return "tool_calls"
+        return reason
+
+    def _message(self, c: CompletionOutput) -> tuple[dict[str, Any], bool]:
+        if self.tools is None:
+            return {"role": "assistant", "content": c.text}, False
+        parsed = self.tools.parse(c.text)
+        return {"role": "assistant", "content": parsed.content,
+                "tool_calls": [call.as_dict() for call in parsed.calls]}, bool(parsed.calls)
+
+    def _tool_delta(self, index: int, text: str, ended: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(content, tool-call deltas) of one choice's new text."""
+        stream = self._tool_streams.get(index)
+        if stream is None:
+            assert self.tools is not None
+            stream = self._tool_streams[index] = self.tools.stream()
+        content, calls = stream.feed(text)
+        if ended:
+            tail, more = stream.finish()
+            content, calls = content + tail, calls + more
+        return content, [self._call_delta(index, call) for call in calls]
+
+    def _call_delta(self, index: int, call: ToolCall) -> dict[str, Any]:
+        position = self._num_calls.get(index, 0)
+        self._num_calls[index] = position + 1
+        return {"index": position} | call.as_dict()
 
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def whole(self, output: RequestOutput) -> dict[str, Any]:
-        choices = [{
-            "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
-            "logprobs": chat_logprobs(self.tokenizer, c.logprobs) if self.want_logprobs
-            else None,
-            "finish_reason": finish_reason(c),
-        } for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            message, called = self._message(c)
+            choices.append({
+                "index": c.index, "message": message,
+                "logprobs": chat_logprobs(self.tokenizer, c.logprobs) if self.want_logprobs
+                else None,
+                "finish_reason": self._finish_reason(c, called),
+            })
         return self._head("chat.completion") | {"choices": choices, "usage": usage([output])}
 
     def chunk(self, output: RequestOutput) -> dict[str, Any] | None:
@@ -263,8 +302,13 @@ class ChatFormatter:
                 self._role_sent.add(c.index)
             new = self._cursor.take(c.index, c)
             logprobs = new.logprobs if self.want_logprobs else ()
-            if new.text or logprobs:  # a token may have logprobs before it has text
-                delta["content"] = new.text
+            text, calls = new.text, []
+            if self.tools is not None:
+                text, calls = self._tool_delta(c.index, new.text, new.ended)
+            if text or logprobs:  # a token may have logprobs before it has text
+                delta["content"] = text
+            if calls:
+                delta["tool_calls"] = calls
             if not delta and not new.ended:
                 continue
             if "content" not in delta and "role" in delta:
@@ -272,7 +316,8 @@ class ChatFormatter:
             choices.append({
                 "index": c.index, "delta": delta,
                 "logprobs": chat_logprobs(self.tokenizer, logprobs) if logprobs else None,
-                "finish_reason": finish_reason(c) if new.ended else None,
+                "finish_reason": self._finish_reason(c, c.index in self._num_calls)
+                if new.ended else None,
             })
         return self._head("chat.completion.chunk") | {"choices": choices} if choices else None
 

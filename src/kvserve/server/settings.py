@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvserve.kvevents.config import KVEventsConfig
+from kvserve.server.tool_flags import ToolSettings
 
 
 class WorkerRole(enum.StrEnum):
@@ -40,7 +41,8 @@ class ServerSettings:
     `untrusted_salt`: who may send a cache salt (kvserve.server.trust). `metrics_key`: required
     on /metrics when set. `tenant_metric_labels`: label per-tenant metrics by the gateway-named
     tenant rather than a hash of the salt. `enable_api_docs`: serve /docs, /redoc and
-    /openapi.json. `max_stop_sequences` / `max_stop_chars`: limits on a request's `stop`."""
+    /openapi.json. `max_stop_sequences` / `max_stop_chars`: limits on a request's `stop`.
+    `kv_events`: publish KV events on vLLM's wire. `tools`: how tool calls are parsed."""
 
     api_key: str | None = None
     admin_key: str | None = None
@@ -59,3 +61,4 @@ class ServerSettings:
     max_stop_sequences: int = 16
     max_stop_chars: int = 1024
     kv_events: KVEventsConfig | None = None  # publish KV events on vLLM's ZMQ wire
+    tools: ToolSettings = field(default_factory=ToolSettings)

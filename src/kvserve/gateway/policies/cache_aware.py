@@ -27,9 +27,7 @@ from kvserve.gateway.policies.scoring import (
 DEFAULT_HOME_WEIGHT = 0.0
 """A prefix nobody holds any more (forgotten with its worker's capacity) gets this much credit,
 in requests of load, on the worker it was last sent to: with every cache full, moving a tenant
-only evicts another one elsewhere. Off: at 4 (`kvserve bench gateway`, docs/benchmarks.md) it
-gained 0.2 points of hit rate in skew, from one seed of four, and lost 5.5 on one failover seed
-of three."""
+only evicts another one elsewhere. Off by default."""
 
 MAX_HOMES = 65_536
 """Prefix keys whose last worker is remembered (32-byte keys: about 6 MiB)."""
@@ -40,11 +38,8 @@ COLD_PLACEMENTS = ("rendezvous", "footprint")
 passing over one whose index is full while another has room; every gateway replica makes it
 alike, so replicas that each learn only their own traffic still place a tenant on one worker.
 `footprint`: the emptiest index, load and prefill backlog weighed in; only this gateway knows
-its index, so replicas place a tenant apart (`kvserve bench gateway`, docs/benchmarks.md,
-twelfth session: behind 2 and 4 replicas 0.822 and 0.723 against rendezvous's 0.909 and 0.912;
-with one gateway the same hit rates, and rendezvous's p99 TTFT 4-6% higher on 2 workers and
-3-31% in the simulator's 16, where hashing spreads 48 tenants unevenly: `kvserve up`, one
-gateway by construction, places by footprint).
+its index, so replicas place a tenant apart, while one gateway keeps cold prefills apart
+(`kvserve up`, one gateway by construction, places by footprint; docs/benchmarks.md).
 `footprint_weight` and `home_weight` weigh only in `footprint` placement."""
 
 DEFAULT_MAX_BLOCKS_PER_WORKER = 65_536

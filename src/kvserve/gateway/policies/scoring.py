@@ -51,13 +51,9 @@ prefix only for a worker whose backlog is shorter by four times that prefix (it 
 but the move copies the prefix into a second cache, and that costs hits later); a prefix nobody
 holds avoids a worker busy with a cold prefill: 2.5k tokens of backlog count as 39 requests with
 16-token blocks (`precise`) and 10 with 64-token ones (`cache_aware`'s text blocks), against the
-footprint term's 16. Simulated (`kvserve simulate --policy cache_aware@backlog_weight=W` with a
-profile from `kvserve bench profile --threads 1 --colocated 2 --server`, 30 seeds a case, on
-`kvserve bench gateway`'s fleet and workload), 0.25 against 0 left the even case unchanged and
-cut the worst seed's TTFT p99 by 14% under overload and by 8% under skew, at the same hit rate;
-0.5 lost 0.1 point of hit rate on average, 1.0 lost 0.7-1.2 points. Measured (`kvserve bench
-gateway`, six seeds, docs/benchmarks.md), 0.25 cut overload's pooled p99 by 10% (`cache_aware`)
-and 8% (`precise`). At 0 the score is the request-count load alone."""
+footprint term's 16. The default cuts the TTFT tail under overload and skew at the same hit
+rate; larger weights cost hit rate (docs/benchmarks.md, "Gateway"). At 0 the score is the
+request-count load alone."""
 
 
 def check_weights(block_credit: float, load_weight: float, footprint_weight: float = 0.0,

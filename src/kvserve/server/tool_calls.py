@@ -1,0 +1,161 @@
+"""`tools` and `tool_choice` on chat completions: which calls a request allows, the grammar
+that forces them, and the answer's text turned into `tool_calls` (whole and streamed).
+
+`none`: plain text. `auto`: the model decides; its text is parsed by `--tool-call-parser`
+(needs `--enable-auto-tool-choice`, as vLLM does). `required`: a grammar forces a JSON array of
+`{"name", "parameters"}` calls of the given tools, their parameters validated by each
+function's schema. A named function: a grammar forces its arguments object. Anything else is a
+400 that says what is supported.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvserve.engine import StructuredOutput
+from kvserve.server.errors import APIError
+from kvserve.server.tool_flags import ToolSettings
+from kvserve.server.tool_parsers import (
+    PARSERS,
+    Parsed,
+    ToolCall,
+    ToolParser,
+    ToolStream,
+    call_from_json,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """What one request's tools allow. `constraint`: the grammar forcing the calls (required,
+    named), else None. `parser`: how `auto` text is read, else None."""
+
+    mode: str  # "auto" | "required" | "named"
+    constraint: StructuredOutput | None
+    parser: ToolParser | None
+    function: str | None = None  # the named function
+
+    def parse(self, text: str) -> Parsed:
+        """The answer's content and calls."""
+        if self.mode == "named":
+            assert self.function is not None
+            call = call_from_json({"name": self.function, "arguments": _loads(text)})
+            return Parsed(None, (call,)) if call is not None else Parsed(text, ())
+        if self.mode == "required":
+            calls = _required_calls(text)
+            return Parsed(None, tuple(calls)) if calls else Parsed(text, ())
+        assert self.parser is not None
+        return self.parser.parse(text)
+
+    def stream(self) -> ToolStream:
+        if self.mode == "auto":
+            assert self.parser is not None
+            return self.parser.stream()
+        return _WholeStream(self)
+
+    @property
+    def finishes_with_tool_calls(self) -> bool:
+        """A choice whose text parsed into calls ends with finish_reason "tool_calls" (a named
+        choice keeps "stop", as OpenAI's does)."""
+        return self.mode != "named"
+
+
+def plan_tools(tools: Sequence[dict[str, Any]] | None, tool_choice: Any,
+               settings: ToolSettings, parallel_tool_calls: bool = True) -> ToolPlan | None:
+    """The request's plan, or None when no tool call can come out (no tools, or "none").
+    `parallel_tool_calls=False` makes `required` force exactly one call."""
+    functions = _functions(tools or [])
+    if tool_choice is None:
+        tool_choice = "auto" if functions else "none"
+    if tool_choice == "none":
+        return None
+    if not functions:
+        raise APIError(400, f"tool_choice {_show(tool_choice)} needs tools", param="tool_choice")
+    if tool_choice == "auto":
+        if not (settings.enable_auto_tool_choice and settings.tool_call_parser):
+            raise APIError(400, "tool_choice 'auto' (the default when tools are given) needs "
+                           "the server started with --enable-auto-tool-choice and "
+                           "--tool-call-parser; or send tool_choice 'required', 'none' or a "
+                           "named function", param="tool_choice")
+        return ToolPlan("auto", None, PARSERS[settings.tool_call_parser]())
+    if tool_choice == "required":
+        calls = [{"type": "object", "properties": {"name": {"const": name},
+                                                   "parameters": params},
+                  "required": ["name", "parameters"], "additionalProperties": False}
+                 for name, params in functions.items()]
+        schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                  "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        if not parallel_tool_calls:
+            schema["maxItems"] = 1
+        return ToolPlan("required", StructuredOutput.json_schema(schema), None)
+    if (isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
+            and isinstance(tool_choice.get("function"), dict)):
+        name = tool_choice["function"].get("name")
+        if name not in functions:
+            raise APIError(400, f"tool_choice names function {name!r}, which is not in tools "
+                           f"({', '.join(functions)})", param="tool_choice")
+        return ToolPlan("named", StructuredOutput.json_schema(functions[name]), None, name)
+    raise APIError(400, f"tool_choice {_show(tool_choice)} is not supported; use 'none', "
+                   "'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+                   param="tool_choice")
+
+
+def _functions(tools: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Function name -> its parameters schema; a tool kvserve cannot offer is a 400."""
+    out: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise APIError(400, f"tools[{i}]: only {{'type': 'function', 'function': {{...}}}} "
+                           f"tools are supported, got type {tool.get('type')!r}",
+                           param=f"tools[{i}]")
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise APIError(400, f"tools[{i}].function.name must be a non-empty string",
+                           param=f"tools[{i}].function.name")
+        params = function.get("parameters") or {"type": "object"}
+        if not isinstance(params, dict):
+            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema object",
+                           param=f"tools[{i}].function.parameters")
+        out[name] = params
+    return out
+
+
+def _required_calls(text: str) -> list[ToolCall]:
+    value = _loads(text)
+    if not isinstance(value, list):
+        return []
+    calls = [call_from_json(item) for item in value]
+    return [c for c in calls if c is not None] if all(calls) else []
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _show(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else json.dumps(value)[:200]
+
+
+class _WholeStream(ToolStream):
+    """Grammar-forced calls: the JSON is held to the end, then sent as calls (or as content,
+    when max_tokens cut it)."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self._plan = plan
+        self._text = ""
+
+    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+        self._text += text
+        return "", []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        parsed = self._plan.parse(self._text)
+        return parsed.content or "", list(parsed.calls)
+
