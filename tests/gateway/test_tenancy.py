@@ -134,3 +134,20 @@ def test_a_worker_key_needs_the_gateway_to_check_keys(keys_file: Path) -> None:
     tenancy = tenancy_from(parse("--salt-secret", SECRET, "--worker-api-key", "w" * 20,
                                  "--api-keys-file", str(keys_file)))
     assert tenancy.authenticates
+
+
+def test_a_worker_hears_only_what_the_gateway_vouches_for(keyed: Tenancy) -> None:
+    client = {**bearer(KEY_A), "x-request-id": "r1", "x-tenant-id": "team-b",
+              "x-kvserve-salt-key": "stolen"}
+    identity = keyed.resolve(client)
+    assert keyed.upstream_headers(client, identity, "worker-key", "salt-key") == {
+        "x-request-id": "r1", "authorization": "Bearer worker-key",
+        "x-kvserve-salt-key": "salt-key", "x-tenant-id": "team-a"}
+    # no worker key: the client's key is still not forwarded; no salt key: no tenant either
+    assert keyed.upstream_headers(client, identity) == {"x-request-id": "r1"}
+    open_gateway = Tenancy(SECRET)  # keys not checked here: the workers check the client's
+    anonymous = {"x-tenant-id": "team-b", "x-kvserve-salt-key": "stolen"}
+    assert open_gateway.upstream_headers(anonymous, open_gateway.resolve(anonymous),
+                                         None, "salt-key") == {}
+    assert open_gateway.upstream_headers(client, open_gateway.resolve(client))[
+        "authorization"] == f"Bearer {KEY_A}"

@@ -59,3 +59,9 @@ def test_a_packed_model_gives_the_dense_models_logits(arch: str,
     embed = packed.model.model.embed_tokens.weight
     assert embed.shape == (config.vocab_size, config.hidden_size)
     assert (packed.model.lm_head.weight.numel() == embed.numel()) == config.tie_word_embeddings
+
+
+def test_bf16_goes_through_onednn_only_where_the_cpu_has_its_instructions() -> None:
+    supported = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert onednn_available(torch.device("cpu"), torch.bfloat16) is supported
+    assert not onednn_available(torch.device("cpu"), torch.float16)

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kvserve.engine import SamplingParams
 from kvserve.model import write_random_checkpoint
 from kvserve.runtime import EngineArgs, LLMEngine
 from tests.model.arch_configs import ARCH_CONFIGS
@@ -62,6 +63,15 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 5000) -> dict[str, obj
             if output.finished:
                 done[output.request_id] = output
     raise AssertionError("engine did not drain")
+
+
+def generate(engine: LLMEngine, prompts: dict[str, list[int]],
+             params: SamplingParams) -> dict[str, list[int]]:
+    """Every prompt's first sample's token ids, the engine run until it drains."""
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, params)
+    done = run_to_completion(engine)
+    return {rid: done[rid].outputs[0].token_ids for rid in prompts}  # type: ignore[attr-defined]
 
 
 def assert_no_blocks_held(engine: LLMEngine) -> None:

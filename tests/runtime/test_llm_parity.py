@@ -13,16 +13,16 @@ from tests.runtime.conftest import (
     random_prompt,
     run_to_completion,
 )
+from tests.runtime.conftest import (
+    generate as generate_all,
+)
 
 pytest.importorskip("transformers")
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
 def generate(engine, prompts: dict[str, list[int]], params=GREEDY) -> dict[str, list[int]]:
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, params)
-    done = run_to_completion(engine)
-    return {rid: done[rid].outputs[0].token_ids for rid in prompts}
+    return generate_all(engine, prompts, params)
 
 
 @pytest.fixture(params=PARITY_ARCHS)

@@ -19,6 +19,9 @@ from tests.runtime.conftest import (
     random_prompt,
     run_to_completion,
 )
+from tests.runtime.conftest import (
+    generate as generate_all,
+)
 from tests.tp.conftest import PARITY_ARCHS
 
 pytest.importorskip("transformers")
@@ -36,10 +39,7 @@ def tp_engine(path, **overrides) -> Iterator[LLMEngine]:
 
 
 def generate(engine, prompts: dict[str, list[int]], params=GREEDY) -> dict[str, list[int]]:
-    for rid, prompt in prompts.items():
-        engine.add_request(rid, prompt, params)
-    done = run_to_completion(engine)
-    return {rid: done[rid].outputs[0].token_ids for rid in prompts}
+    return generate_all(engine, prompts, params)
 
 
 @pytest.fixture(params=PARITY_ARCHS)

@@ -39,7 +39,7 @@ from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import NoHealthyWorker
 from kvserve.gateway.route_key import route_request_for
 from kvserve.gateway.seniority import Seniority, request_key
-from kvserve.gateway.tenancy import Identity, Tenancy
+from kvserve.gateway.tenancy import Tenancy
 from kvserve.gateway.text_capacity import TextCapacity
 from kvserve.gateway.token_keys import ExactKeys
 from kvserve.gateway.upstream_http import UpstreamError
@@ -50,7 +50,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 PROXIED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
-SALT_KEY_HEADER = "x-kvserve-salt-key"  # workers' --trusted-salt-key (kvserve.server.trust)
 JSON = b"application/json"
 
 
@@ -294,24 +293,6 @@ class ProxyEndpoint:
                         "body": f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()})
         await send({"type": "http.response.body", "body": b""})
 
-    def _upstream_headers(self, headers: dict[str, str], identity: Identity) -> dict[str, str]:
-        """What a worker is told besides the body: the request id; the client's key, unless
-        the gateway checked it itself (then `worker_api_key`); and, for a salted request, the
-        tenant and the key that proves the salt is the gateway's. A client's own tenant and
-        salt-key headers are never passed on."""
-        forwarded = {"x-request-id": headers["x-request-id"]} if "x-request-id" in headers \
-            else {}
-        if not self.tenancy.authenticates:
-            if "authorization" in headers:
-                forwarded["authorization"] = headers["authorization"]
-        elif self.worker_api_key is not None:
-            forwarded["authorization"] = f"Bearer {self.worker_api_key}"
-        if identity.salt is not None and self.trusted_salt_key is not None:
-            forwarded[SALT_KEY_HEADER] = self.trusted_salt_key
-            if identity.tenant is not None:
-                forwarded["x-tenant-id"] = identity.tenant
-        return forwarded
-
     async def _open(self, path: str, raw: bytes, headers: dict[str, str],
                     budget: _Budget) -> Upstream | _Reply:
         """The worker's open response (holding an admission slot the caller releases), or the
@@ -337,7 +318,8 @@ class ProxyEndpoint:
         if (self.capacity is not None and self.keys.keyer is None
                 and isinstance(body.get("prompt"), str)):
             self.capacity.sample(body["prompt"])
-        forwarded = self._upstream_headers(headers, identity)
+        forwarded = self.tenancy.upstream_headers(headers, identity, self.worker_api_key,
+                                                  self.trusted_salt_key)
         since = None
         if self.seniority is not None:
             budget.key = request_key(salt, path, raw)

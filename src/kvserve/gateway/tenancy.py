@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 MIN_SECRET_CHARS = 16  # a salt secret shorter than this could be guessed
+SALT_KEY_HEADER = "x-kvserve-salt-key"  # workers' --trusted-salt-key (kvserve.server.trust)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,26 @@ class Tenancy:
         else:
             return Identity()
         return Identity(tenant, self.salt_for(tenant))
+
+    def upstream_headers(self, headers: Mapping[str, str], identity: Identity,
+                         worker_api_key: str | None = None,
+                         trusted_salt_key: str | None = None) -> dict[str, str]:
+        """What a worker is told besides the body: the request id; the client's key, unless the
+        gateway checks keys itself (then `worker_api_key`, if any); and, for a salted request,
+        the tenant and the key that proves the salt is the gateway's. A client's own tenant and
+        salt-key headers are never passed on."""
+        forwarded = {"x-request-id": headers["x-request-id"]} if "x-request-id" in headers \
+            else {}
+        if not self.authenticates:
+            if "authorization" in headers:
+                forwarded["authorization"] = headers["authorization"]
+        elif worker_api_key is not None:
+            forwarded["authorization"] = f"Bearer {worker_api_key}"
+        if identity.salt is not None and trusted_salt_key is not None:
+            forwarded[SALT_KEY_HEADER] = trusted_salt_key
+            if identity.tenant is not None:
+                forwarded["x-tenant-id"] = identity.tenant
+        return forwarded
 
     def salt_for(self, tenant: str) -> str:
         """The cache salt of `tenant` (its sharing group's, when it has one)."""

@@ -27,9 +27,13 @@ def _has_pointwise_op() -> bool:
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether linear layers on `device` in `dtype` can run through oneDNN."""
-    return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and dtype in (torch.float32, torch.bfloat16))
+    """Whether linear layers on `device` in `dtype` can run through oneDNN (bf16 only where the
+    CPU has oneDNN's bf16 instructions: elsewhere packing a bf16 weight fails at load)."""
+    if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
 
 
 class PackedLinear:
