@@ -51,7 +51,7 @@ def test_the_gateway_keys_a_conversation_exactly_as_the_worker_caches_it(
                                              {"type": "text", "text": "and clause 7."}],
                  "name": None}]
     body = {"model": model_name, "messages": messages, "tools": tools,
-            "cache_salt": "chat-salt", **RUN}
+            "tool_choice": "none", "cache_salt": "chat-salt", **RUN}
     httpx.post(f"{worker.url}/v1/chat/completions", json=body, timeout=60).raise_for_status()
     keyed = route_request_for("/v1/chat/completions", body, "chat-salt", TokenKeyer(tiny_model))
     assert len(keyed.prefix_hashes) >= 4
