@@ -48,7 +48,6 @@ from kvserve.runtime.kv_event_log import KVEventLog
 from kvserve.runtime.memory_budget import (
     device_memory_bytes,
     kv_bytes_for_utilization,
-    model_bytes,
 )
 from kvserve.runtime.model_setup import DTYPES, load_rank_model, rank_device
 from kvserve.runtime.outputs import CompletionOutput, RequestOutput
@@ -130,8 +129,8 @@ class LLMEngine:
 
     @classmethod
     def _build(cls, args: EngineArgs, group: RankGroup | None) -> LLMEngine:
-        loaded = load_rank_model(args, ShardSpec(0, args.tensor_parallel_size),
-                                 rank_device(args.device, 0))
+        loaded, weight_bytes = load_rank_model(args, ShardSpec(0, args.tensor_parallel_size),
+                                               rank_device(args.device, 0))
         template = template_argument(args.chat_template) if args.chat_template else None
         tokenizer = Tokenizer.from_pretrained(loaded.path, chat_template=template)
         config = loaded.config
@@ -146,8 +145,7 @@ class LLMEngine:
         utilization_bytes = None
         if args.gpu_memory_utilization is not None:
             utilization_bytes = kv_bytes_for_utilization(
-                args.gpu_memory_utilization, device_memory_bytes(loaded.device),
-                model_bytes(loaded.model))
+                args.gpu_memory_utilization, device_memory_bytes(loaded.device), weight_bytes)
         num_blocks = args.resolve_num_blocks(bytes_per_block, utilization_bytes)
         num_host_slots = args.resolve_num_host_slots(bytes_per_block)
         num_disk_slots = args.resolve_num_disk_slots(bytes_per_block)

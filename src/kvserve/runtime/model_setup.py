@@ -9,6 +9,7 @@ from kvserve.model.onednn_linear import onednn_available
 from kvserve.model.tensor_parallel import ShardSpec
 from kvserve.runtime.demo_model import ensure_demo_model
 from kvserve.runtime.engine_args import EngineArgs
+from kvserve.runtime.memory_budget import model_bytes
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -18,16 +19,18 @@ def rank_device(device: str, local_rank: int) -> str:
     return f"cuda:{local_rank}" if device == "cuda" else device
 
 
-def load_rank_model(args: EngineArgs, shard: ShardSpec, device: str) -> LoadedModel:
+def load_rank_model(args: EngineArgs, shard: ShardSpec, device: str) -> tuple[LoadedModel, int]:
     """Load `shard` of the model on `device`, with the CPU kernels and oneDNN packing applied
-    as `args` asks (built now, not inside the first request)."""
+    as `args` asks (built now, not inside the first request); and the bytes of its weights as
+    loaded (packing replaces them with copies the module tree no longer counts)."""
     path = args.model or str(ensure_demo_model())
     dtype = DTYPES[args.dtype] if args.dtype else None
     loaded = load_model(path, device=device, dtype=dtype, shard=shard, revision=args.revision,
                         cache_dir=args.download_dir)
+    weight_bytes = model_bytes(loaded.model)
     cpu_kernels.set_enabled(args.cpu_kernels)
     if args.cpu_kernels and loaded.device.type == "cpu":
         cpu_kernels.available()
     if args.onednn_linear and onednn_available(loaded.device, loaded.dtype):
         loaded.model.pack_for_onednn()
-    return loaded
+    return loaded, weight_bytes

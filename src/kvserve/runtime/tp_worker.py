@@ -44,7 +44,7 @@ def run_rank(args: EngineArgs, rank: int, world_size: int, local_rank: int, mast
     store = TCPStore(master_addr, master_port, is_master=False,
                      timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
     device = rank_device(args.device, local_rank)
-    loaded = load_rank_model(args, ShardSpec(rank, world_size), device)
+    loaded, _ = load_rank_model(args, ShardSpec(rank, world_size), device)
     num_blocks = int(store.get(NUM_BLOCKS_KEY).decode())
     kv_caches = allocate_kv_caches(loaded.model.config, num_blocks, args.block_size,
                                    dtype=loaded.dtype, device=loaded.device)
