@@ -10,6 +10,7 @@ stays content: a parser never drops what the model wrote.
 
 from __future__ import annotations
 
+import abc
 import json
 import uuid
 from dataclasses import dataclass
@@ -54,28 +55,32 @@ class Parsed:
     calls: tuple[ToolCall, ...]
 
 
-class ToolStream:
+class ToolStream(abc.ABC):
     """Incremental parsing of one choice's text: `feed` each new piece, `finish` at the end;
     both return (content to send now, calls completed now). Content that may still turn out to
     be part of a call is held back until it is known."""
 
+    @abc.abstractmethod
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        raise NotImplementedError
+        """See the class docstring."""
 
+    @abc.abstractmethod
     def finish(self) -> tuple[str, list[ToolCall]]:
-        raise NotImplementedError
+        """See the class docstring."""
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """A named parser; `parse` a whole text, or `stream()` one."""
 
     name = ""
 
+    @abc.abstractmethod
     def parse(self, text: str) -> Parsed:
-        raise NotImplementedError
+        """See the class docstring."""
 
+    @abc.abstractmethod
     def stream(self) -> ToolStream:
-        raise NotImplementedError
+        """See the class docstring."""
 
 
 _START, _END = "<tool_call>", "</tool_call>"
