@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ from kvserve.gateway.forward import Forwarder, NoWorkerAvailable, Upstream
 from kvserve.gateway.latency_limit import is_late
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import NoHealthyWorker
-from kvserve.gateway.route_key import route_request_for
+from kvserve.gateway.prepare import Refused, prepare_request
 from kvserve.gateway.seniority import Seniority, request_key
 from kvserve.gateway.tenancy import Tenancy
 from kvserve.gateway.text_capacity import TextCapacity
@@ -57,24 +56,6 @@ def error_body(status: int, message: str, err_type: str = "invalid_request_error
     """An OpenAI-style error object."""
     return json.dumps({"error": {"message": message, "type": err_type, "param": None,
                                  "code": status}}).encode()
-
-
-def parse_json(raw: bytes) -> Any:
-    """Strict JSON: NaN, Infinity and overflowing floats are refused here (the gateway could not
-    forward them as JSON), and so is nesting too deep to parse; each raises ValueError."""
-    def finite(text: str) -> float:
-        value = float(text)
-        if not math.isfinite(value):
-            raise ValueError(f"number {text} is out of range")
-        return value
-
-    def constant(name: str) -> float:
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        return json.loads(raw, parse_float=finite, parse_constant=constant)
-    except RecursionError:
-        raise ValueError("the JSON is nested too deeply") from None
 
 
 @dataclass(slots=True)
@@ -298,28 +279,15 @@ class ProxyEndpoint:
         """The worker's open response (holding an admission slot the caller releases), or the
         gateway's own answer."""
         try:
-            body = parse_json(raw)
-        except ValueError as exc:  # UnicodeDecodeError included
-            return _error(400, f"the request body is not valid JSON ({exc}): send a JSON "
-                          "object (UTF-8)")
-        if not isinstance(body, dict):
-            return _error(400, "the request body must be a JSON object")
-        identity = self.tenancy.resolve(headers)
-        if identity.refused is not None:
-            return _error(401, identity.refused, "authentication_error")
-        salt = identity.salt
-        body.pop("cache_salt", None)  # never trust a client's salt
-        if salt is not None:
-            body["cache_salt"] = salt
-        try:
-            route = route_request_for(path, body, salt, self.keys.keyer)
-        except ValueError as exc:
-            return _error(400, str(exc))
+            prepared = prepare_request(path, raw, headers, self.tenancy, self.keys.keyer,
+                                       self.worker_api_key, self.trusted_salt_key)
+        except Refused as exc:
+            return _error(exc.status, exc.message, exc.err_type)
+        body, route, salt = prepared.body, prepared.route, prepared.salt
         if (self.capacity is not None and self.keys.keyer is None
                 and isinstance(body.get("prompt"), str)):
             self.capacity.sample(body["prompt"])
-        forwarded = self.tenancy.upstream_headers(headers, identity, self.worker_api_key,
-                                                  self.trusted_salt_key)
+        forwarded = prepared.headers
         since = None
         if self.seniority is not None:
             budget.key = request_key(salt, path, raw)
