@@ -173,8 +173,9 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                                                                settings.learned_capacity),
                           latency=latency,
                           latency_applies=lambda: (settings.ttft_target_s is not None
-                                                   or not pool.all_declared(time.monotonic())))
-    budget = RetryBudget(ratio=settings.retry_ratio)
+                                                   or not pool.all_declared(time.monotonic())),
+                          retry_budget=RetryBudget(ratio=settings.retry_ratio))
+    budget = admission.retry_budget
     keys = ExactKeys(settings.tokenizer, settings.block_size, settings.policy == "precise")
     foreign = ForeignLoad()
     metrics = GatewayMetrics(pool, admission, budget, keys, foreign, settings.policy,
