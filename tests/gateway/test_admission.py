@@ -152,19 +152,6 @@ def test_a_kvserve_worker_s_declared_batch_needs_no_queue_to_learn() -> None:
     assert worker.batch_capacity == 16
 
 
-def test_without_learned_capacity_only_declared_batches_bound_the_fleet() -> None:
-    pool = WorkerPool(["http://kvserve", "http://vllm"])
-    apply_metrics(pool.get("http://kvserve"),
-                  _exposition(0, 0) + 'kvserve:max_num_seqs{model_name="m"} 16\n')
-    apply_metrics(pool.get("http://vllm"), _exposition(4, 9))  # seen full at 4
-    assert pool.fleet_slots(0.0) == worker_slots(16) + worker_slots(4)
-    assert pool.fleet_slots(0.0, learned=False) is None  # the vLLM worker has not said
-    only_declared = WorkerPool(["http://kvserve"])
-    apply_metrics(only_declared.get("http://kvserve"),
-                  _exposition(0, 0) + 'kvserve:max_num_seqs{model_name="m"} 16\n')
-    assert only_declared.fleet_slots(0.0, learned=False) == worker_slots(16)
-
-
 def test_fleet_slots_count_healthy_workers_once_all_are_known() -> None:
     pool = WorkerPool(["http://a", "http://b"])
     a, b = pool.get("http://a"), pool.get("http://b")

@@ -71,7 +71,6 @@ class GatewaySettings:
     scrape_interval_s: float = 1.0
     max_body_bytes: int = 8 * 1024 * 1024
     latency_limit: bool = True  # the AIMD limit from late first bytes (`latency_limit.py`)
-    learned_capacity: bool = True  # admission counts batches learned from scrapes too
     seniority: bool = True  # a resend queues in its first send's place (`seniority.py`)
     ttft_target_s: float | None = None  # a first byte later than this is late for that limit
     tenancy: Tenancy = field(default_factory=lambda: Tenancy(generated_secret()))
@@ -169,8 +168,7 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                if settings.latency_limit else None)
     admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s,
                           max_queue_wait_s=settings.max_queue_wait_s,
-                          fleet_slots=lambda: pool.fleet_slots(time.monotonic(),
-                                                               settings.learned_capacity),
+                          fleet_slots=lambda: pool.fleet_slots(time.monotonic()),
                           latency=latency,
                           latency_applies=lambda: (settings.ttft_target_s is not None
                                                    or not pool.all_declared(time.monotonic())),
