@@ -251,6 +251,9 @@ def test_the_epp_pod_probes_scrape_and_secrets() -> None:
     assert secrets["KVSERVE_TRUSTED_SALT_KEY"] == worker_secrets["KVSERVE_TRUSTED_SALT_KEY"]
     assert not secrets["KVSERVE_SALT_SECRET"].get("optional", False)
     assert int(flag(deployment, "--replicas")) == deployment["spec"]["replicas"]
+    # a request waiting for a slot holds the Gateway's ext_proc call: both waits are bounded
+    # alike, neither left at the proxy's default
+    assert flag(deployment, "--queue-timeout") == flag(deployment, "--max-queue-wait")
     pod = pod_of(deployment)["spec"]
     account = one("ServiceAccount", pod["serviceAccountName"])
     assert account["automountServiceAccountToken"] is False  # DNS, not the Kubernetes API
