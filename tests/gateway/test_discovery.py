@@ -219,3 +219,33 @@ def test_added_workers_are_handed_on_and_run_refreshes_every_interval(tmp_path: 
 
     asyncio.run(asyncio.wait_for(scenario(), 10.0))
     assert seen == [(A,), (C,)] and answers.asked >= 2
+
+
+def test_a_round_that_fails_downstream_does_not_stop_discovery(
+        caplog: pytest.LogCaptureFixture) -> None:
+    answers = Answers()
+    answers.table["w"] = ["10.0.0.1"]
+    pool = WorkerPool([], allow_empty=True)
+    seen: list[tuple[str, ...]] = []
+
+    async def on_added(urls: tuple[str, ...]) -> None:
+        seen.append(tuple(urls))
+        if len(seen) == 1:
+            raise RuntimeError("a tokenizer file that cannot be read")
+
+    discovery = WorkerDiscovery(pool, dns_names=[DnsName("w", 8000)], interval_s=0.01,
+                                resolver=answers, on_added=on_added)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        discovery.start()
+        while not seen:
+            await asyncio.sleep(0.01)
+        answers.table["w"] = ["10.0.0.1", "10.0.0.2", "bad name", "10.0.0.3"]
+        while len(seen) < 2:
+            await asyncio.sleep(0.01)
+        await discovery.stop()
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(asyncio.wait_for(scenario(), 10.0))
+    assert seen == [(A,), (B, C)]
+    assert any("discovery round failed" in r.getMessage() for r in caplog.records)

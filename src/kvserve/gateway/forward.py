@@ -170,9 +170,9 @@ class Forwarder:
                 response = await self.client.post(f"{url}{path}", payload, sent,
                                                   self.read_timeout_s)
             except UpstreamError as exc:
-                self.pool.end_request(worker)
                 self.pool.record_failure(url, f"{type(exc).__name__}: {exc}", time.monotonic())
                 self.metrics.upstream_errors.labels(url, type(exc).__name__).inc()
+                self.pool.end_request(worker)  # last: a draining worker may be forgotten now
                 last = NoWorkerAvailable(f"worker {url} unreachable: {type(exc).__name__}")
                 continue
             except BaseException:  # cancelled, or a header that cannot be sent: nothing is open

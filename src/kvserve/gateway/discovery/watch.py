@@ -28,8 +28,8 @@ from kvserve.gateway.worker_pool import WorkerPool
 log = logging.getLogger(__name__)
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
-"""A name and port -> the addresses it resolves to now; raises OSError (or TimeoutError) when
-it cannot tell."""
+"""A name and port -> the addresses it resolves to now; raises OSError, TimeoutError or
+ValueError when it cannot tell."""
 
 SOURCES = ("static", "dns", "file")
 DEFAULT_INTERVAL_S = 5.0
@@ -114,10 +114,15 @@ class WorkerDiscovery:
             return change
 
     async def run(self) -> None:
-        """`refresh_once` every `interval_s`, until cancelled."""
+        """`refresh_once` every `interval_s`, until cancelled. A round that fails past the
+        sources (in `on_added`) is logged and the next one runs: discovery never stops."""
         while True:
             await asyncio.sleep(self.interval_s)
-            await self.refresh_once()
+            try:
+                await self.refresh_once()
+            except Exception:
+                log.exception("kvserve gateway: a discovery round failed; retrying in %.1fs",
+                              self.interval_s)
 
     def start(self) -> None:
         """Run `run()` as a background task of the running loop."""
@@ -132,7 +137,7 @@ class WorkerDiscovery:
     async def _resolve(self, name: DnsName) -> None:
         try:
             addresses = await self.resolver(name.host, name.port)
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, ValueError) as exc:  # ValueError: an invalid name
             self._failed("dns", f"--worker-dns {name}", f"{type(exc).__name__}: {exc}")
             return
         self._recovered(f"--worker-dns {name}")
