@@ -18,7 +18,7 @@ from tests.gateway.processes import ADMIN_KEY, Process, wait_until
 from tests.gateway.tcp_proxy import FaultyProxy, Stall
 
 INTERVAL = ("--discovery-interval", "0.2")
-STALL_S = 3.0  # how long the leaving worker's answer is held, so it is in flight for sure
+STALL_S = 6.0  # how long the leaving worker's answer is held, so it is in flight for sure
 
 
 def write_atomically(path: Path, urls: list[str]) -> None:
