@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +18,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tokenizers import Tokenizer
 
 from kvserve.gateway.admission import Admission
+from kvserve.gateway.discovery import (
+    DEFAULT_INTERVAL_S,
+    DiscoveryCollector,
+    DnsName,
+    WorkerDiscovery,
+)
 from kvserve.gateway.foreign_load import ForeignLoad
 from kvserve.gateway.forward import Forwarder
 from kvserve.gateway.kv_events import DEFAULT_MIN_POLL_INTERVAL_S, EventFollower
@@ -89,6 +95,15 @@ class GatewaySettings:
     # `policy`), decoded on `decode_workers` (by least load); `workers` is then their union.
     prefill_workers: tuple[str, ...] = ()
     decode_workers: tuple[str, ...] = ()
+    # Discovery (`discovery/`): `workers` plus every address of these NAME:PORTs and the URLs
+    # of this file, followed every `discovery_interval_s` without a restart.
+    worker_dns: tuple[str, ...] = ()
+    workers_file: str | None = None
+    discovery_interval_s: float = DEFAULT_INTERVAL_S
+
+    @property
+    def is_discovering(self) -> bool:
+        return bool(self.worker_dns or self.workers_file)
 
     @property
     def is_disaggregated(self) -> bool:
@@ -144,7 +159,16 @@ async def served_model_id(client: httpx.AsyncClient, url: str) -> str | None:
 
 
 def create_gateway(settings: GatewaySettings) -> GatewayApp:
-    pool = WorkerPool(list(settings.workers))
+    if settings.is_discovering and settings.is_disaggregated:
+        raise ValueError("--worker-dns and --workers-file discover unified workers; "
+                         "disaggregated mode takes its --prefill-worker and --decode-worker "
+                         "URLs as given: drop one or the other")
+    pool = WorkerPool(list(settings.workers), allow_empty=settings.is_discovering)
+    discovery = (WorkerDiscovery(pool, settings.workers,
+                                 [DnsName.from_spec(spec) for spec in settings.worker_dns],
+                                 settings.workers_file, settings.discovery_interval_s)
+                 if settings.is_discovering else None)
+    num_workers = len(discovery.fleet()) if discovery is not None else len(settings.workers)
     policy = make_policy(settings.policy, **dict(settings.policy_options))
     event_sources = dict(settings.worker_kv_events)
     if event_sources and not isinstance(policy, PrecisePolicy):
@@ -164,7 +188,7 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
         for url, worker in pool.workers.items():
             worker.role = disagg.role_of(url)
     latency = (LatencyLimit(settings.max_in_flight,
-                            floor=min(len(settings.workers), settings.max_in_flight))
+                            floor=max(1, min(num_workers, settings.max_in_flight)))
                if settings.latency_limit else None)
     admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s,
                           max_queue_wait_s=settings.max_queue_wait_s,
@@ -202,16 +226,39 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
         subscriber = ZmqEventFollower(event_sources, policy,
                                       lambda url: served_model_id(client, url),
                                       block_size=settings.block_size)
+    # Whatever keeps state per worker follows the fleet as workers come and go.
+    pool.on_forgotten += [policy.remove_worker, metrics.forget_worker, scraper.forget]
+    if capacity is not None:
+        pool.on_forgotten.append(capacity.forget)
+    if follower is not None:
+        pool.on_added.append(follower.follow)
+        pool.on_forgotten.append(follower.unfollow)
+
+    async def learn(urls: list[str]) -> None:
+        """What the gateway reads from workers once: the tokenizer for exact keys, and for
+        text keys the one that measures characters per token (from the first that has it)."""
+        await keys.resolve(client, urls)
+        if capacity is not None and keys.keyer is None and capacity.tokenizer is None:
+            root = await workers_model_dir(client, urls)
+            if root is not None:
+                capacity.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+
+    async def discovered(urls: Sequence[str]) -> None:
+        await scraper.scrape_workers(urls)
+        await learn(list(urls))
+
+    if discovery is not None:
+        metrics.registry.register(DiscoveryCollector(discovery))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if discovery is not None:
+            await discovery.refresh_once()  # its workers are scraped with the rest just below
+            discovery.on_added = discovered  # from now on, each as it appears
+            discovery.start()
         await scraper.scrape_once()
         scraper.start()
-        await keys.resolve(client, list(settings.workers))
-        if capacity is not None and keys.keyer is None:  # text keys: measure chars per token
-            root = await workers_model_dir(client, list(settings.workers))
-            if root is not None:
-                capacity.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        await learn(list(pool.workers))
         if subscriber is not None:
             subscriber.start()
             await subscriber.wait_subscribed(5.0)
@@ -223,6 +270,8 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
             await follower.stop()
         if subscriber is not None:
             await subscriber.stop()
+        if discovery is not None:
+            await discovery.stop()
         await scraper.stop()
         await client.aclose()
         await upstream_client.aclose()
@@ -231,8 +280,8 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        for worker in pool.workers.values():
-            if worker.healthy:
+        for worker in list(pool.workers.values()):  # the fleet may change while we wait
+            if worker.healthy and not worker.draining:
                 try:
                     answer = await client.get(f"{worker.url}/v1/models", timeout=5.0)
                 except httpx.HTTPError:
@@ -246,8 +295,10 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
         now = time.monotonic()
         healthy = sum(1 for v in pool.views(now) if v.healthy)
         status = 200 if healthy else 503
+        draining = sum(1 for w in pool.workers.values() if w.draining)
         return JSONResponse({"status": "ok" if healthy else "no healthy worker",
-                             "healthy_workers": healthy, "workers": len(pool.workers)}, status)
+                             "healthy_workers": healthy, "workers": len(pool.workers) - draining,
+                             "draining_workers": draining}, status)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
@@ -269,8 +320,13 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                 "mode": "disaggregated" if disagg is not None else "unified",
                 "shared_workers": {"detected": foreign.shared, "foreign_share": foreign.share,
                                    "replica_safe": policy.replica_safe},
-                "text_keys": text_keys, "workers": [
+                "text_keys": text_keys,
+                "discovery": ({"discovered": discovery.discovered, "errors": discovery.errors,
+                               "interval_s": discovery.interval_s}
+                              if discovery is not None else None),
+                "workers": [
             {"url": w.url, "role": w.role, "healthy": w.view(now).healthy,
+             "draining": w.draining,
              "in_flight": w.in_flight, "prefill_backlog_tokens": w.prefill_backlog_tokens,
              "num_running": w.num_running, "num_waiting": w.num_waiting,
              "foreign_requests": w.foreign,
