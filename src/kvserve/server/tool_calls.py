@@ -3,9 +3,10 @@ that forces them, and the answer's text turned into `tool_calls` (whole and stre
 
 `none`: plain text. `auto`: the model decides; its text is parsed by `--tool-call-parser`
 (needs `--enable-auto-tool-choice`, as vLLM does). `required`: a grammar forces a JSON array of
-`{"name", "parameters"}` calls of the given tools, their parameters validated by each
-function's schema. A named function: a grammar forces its arguments object. Anything else is a
-400 that says what is supported.
+1 to `MAX_PARALLEL_CALLS` `{"name", "parameters"}` calls of the given tools (vLLM's form), their
+parameters validated by each function's schema; the bound makes the array end, so a model that
+would write calls forever still gives calls. A named function: a grammar forces its arguments
+object. Anything else is a 400 that says what is supported.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from kvserve.server.tool_parsers import (
     ToolStream,
     call_from_json,
 )
+
+# The most calls one `required` answer holds with parallel_tool_calls (the default).
+MAX_PARALLEL_CALLS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +91,8 @@ def plan_tools(tools: Sequence[dict[str, Any]] | None, tool_choice: Any,
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, params in functions.items()]
         schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                  "maxItems": MAX_PARALLEL_CALLS if parallel_tool_calls else 1,
                                   "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-        if not parallel_tool_calls:
-            schema["maxItems"] = 1
         return ToolPlan("required", StructuredOutput.json_schema(schema), None)
     if (isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
             and isinstance(tool_choice.get("function"), dict)):
