@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kvserve import LLM, SamplingParams
+from kvserve.engine import FinishReason
 from kvserve.model import kv_cache_bytes_per_block, load_model
 from kvserve.runtime import EngineArgs, LLMEngine
 from kvserve.runtime.memory_budget import device_memory_bytes, model_bytes
@@ -206,7 +207,10 @@ def test_chat_takes_vllm_arguments(llm: LLM, tmp_path: Path) -> None:
 
 
 VLLM_SCRIPT = '''
+import json
+
 from vllm import LLM, SamplingParams
+from vllm.sampling_params import StructuredOutputsParams
 
 if __name__ == "__main__":
     prompts = ["Hello, my name is", "The capital of France is"]
@@ -224,13 +228,19 @@ if __name__ == "__main__":
     chat = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=4),
                     use_tqdm=False)
     print("chat:", len(chat[0].outputs[0].token_ids) <= 4)
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    constrained = SamplingParams(max_tokens=20, structured_outputs=StructuredOutputsParams(
+        json=schema))
+    answer = llm.generate(["Answer in JSON:"], constrained, use_tqdm=False)[0].outputs[0].text
+    print("json:", sorted(json.loads(answer)))
 '''
 
 
 def test_a_vllm_script_runs_unchanged(checkpoints: dict[str, Path], tmp_path: Path) -> None:
     """vLLM's quickstart shape with `vllm` renamed `kvserve` (MODEL_DIR set in front)."""
     script = tmp_path / "offline.py"
-    source = VLLM_SCRIPT.replace("from vllm import", "from kvserve import")
+    source = VLLM_SCRIPT.replace("from vllm", "from kvserve")
     script.write_text(f"MODEL_DIR = {json.dumps(str(checkpoints['llama_gqa']))}\n"
                       + textwrap.dedent(source))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
@@ -241,3 +251,58 @@ def test_a_vllm_script_runs_unchanged(checkpoints: dict[str, Path], tmp_path: Pa
     assert lines[1].startswith("Prompt: 'The capital of France is', Generated text: ")
     assert lines[2] in ("prompt logprobs: 4 length", "prompt logprobs: 4 stop")
     assert lines[3] == "chat: True"
+    assert lines[4] == "json: ['ok']"
+
+
+ANSWER = {"type": "object", "properties": {
+    "word": {"enum": ["yes", "no", "maybe"]},
+    "count": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3}},
+    "required": ["word", "count", "tags"], "additionalProperties": False}
+
+
+def test_structured_outputs_in_generate(llm: LLM) -> None:
+    """vLLM 0.32's `structured_outputs=StructuredOutputsParams(json=...)`, and vLLM <= 0.10's
+    `guided_decoding=GuidedDecodingParams(...)`, constrain `LLM.generate` on random weights:
+    every sample parses and validates (each schema's longest document fits max_tokens)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from kvserve.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=80,
+                             structured_outputs=StructuredOutputsParams(json=ANSWER))
+              for seed in range(8)]
+    outputs = llm.generate(["Reply:"] * 8, params, use_tqdm=False)
+    for output in outputs:
+        assert output.outputs[0].finish_reason is FinishReason.STOP
+        jsonschema.validate(json.loads(output.outputs[0].text), ANSWER)
+    choice = SamplingParams(temperature=1.0, seed=3, max_tokens=8,
+                            guided_decoding=GuidedDecodingParams(choice=["red", "green"]))
+    texts = [o.outputs[0].text for o in llm.generate(["Color:"] * 4, choice, use_tqdm=False)]
+    assert set(texts) <= {"red", "green"}, texts
+    as_text = SamplingParams(max_tokens=80, structured_outputs=StructuredOutputsParams(
+        json=json.dumps(ANSWER)))
+    jsonschema.validate(json.loads(llm.generate("Reply:", as_text)[0].outputs[0].text), ANSWER)
+
+
+@pytest.mark.parametrize(("kwargs", "needle"), [
+    ({"structured_outputs": "json"}, "StructuredOutputsParams"),
+    ({}, "exactly one of json, regex, choice or json_object, got none"),
+    ({"regex": "a+", "choice": ["a"]}, "exactly one"),
+    ({"grammar": "start: 'a'"}, "grammar is not supported"),
+    ({"json": {"type": "object"}, "disable_additional_properties": True},
+     "additionalProperties: false"),
+])
+def test_unsupported_structured_outputs_are_errors(kwargs: dict[str, object],
+                                                   needle: str) -> None:
+    from kvserve.sampling_params import GuidedDecodingParams, StructuredOutputsParams
+
+    with pytest.raises(ValueError, match=needle):
+        if kwargs.get("structured_outputs") == "json":  # not a params object
+            SamplingParams(structured_outputs={"json": {}})  # type: ignore[arg-type]
+        else:
+            SamplingParams(structured_outputs=StructuredOutputsParams(**kwargs))  # type: ignore
+    with pytest.raises(ValueError, match="llguidance"):
+        SamplingParams(guided_decoding=GuidedDecodingParams(regex="a", backend="xgrammar"))
+    with pytest.raises(ValueError, match="one output constraint"):
+        SamplingParams(guided_decoding=GuidedDecodingParams(regex="a"),
+                       structured_outputs=StructuredOutputsParams(regex="b"))

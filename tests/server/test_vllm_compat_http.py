@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from tests.server.harness import ServerProcess
+from tests.server.vllm_key_sets import assert_same_key_sets, body_key_sets, stream_key_sets
 from tests.server.vllm_requests import (
     CASES,
     MODEL,
@@ -31,16 +32,6 @@ from tests.server.vllm_requests import (
 )
 
 RECORDED = Path(__file__).parent.parent / "data" / "vllm_responses"
-# vLLM fields kvserve does not return, and why.
-NOT_RETURNED = {
-    "routed_experts": "vLLM's MoE routing capture; kvserve serves no MoE models",
-    "kv_transfer_params": "vLLM's KV connector protocol; kvserve's gateway moves KV itself",
-    "ec_transfer_params": "vLLM's encoder-cache connector; kvserve serves text only",
-    "metrics": "vLLM's per-request metrics (null unless enabled); kvserve has /metrics",
-    "prompt_token_ids": "vLLM's return_token_ids extra (null unless asked for)",
-    "token_ids": "vLLM's return_token_ids extra (null unless asked for)",
-    "completion_tokens_details": "null in vLLM's answers too",
-}
 MAPS = {"top_logprobs"}  # their entries map token text (any key) to a logprob
 ID_MAPS = {"prompt_logprobs"}  # their entries map token ids (any key) to a logprob object
 
@@ -52,8 +43,6 @@ def assert_same_shape(ours: Any, theirs: Any, path: str = "$") -> None:
     if isinstance(theirs, dict):
         assert isinstance(ours, dict), f"{path}: vLLM has an object, kvserve {ours!r}"
         for key, value in theirs.items():
-            if key in NOT_RETURNED:
-                continue
             assert key in ours, f"{path}.{key}: vLLM returns it, kvserve does not"
             if key in MAPS:
                 _assert_maps(ours[key], value, f"{path}.{key}")
@@ -135,11 +124,45 @@ def test_response_shapes_match_vllm(vllm_style_server: ServerProcess, case: Case
         recorded = {_kind(c): c for c in theirs["chunks"]}
         for i, chunk in enumerate(ours["chunks"]):
             assert_same_shape(chunk, recorded[_kind(chunk)], f"chunk[{i}]")
-    elif case.name == "chat":
-        pytest.skip("chat message fields (tool calls, reasoning) are shaped by the "
-                    "structured-output work; recorded for it")
     else:
         assert_same_shape(ours["body"], theirs["body"])
+
+
+GENERATING = [c for c in CASES if c.path in ("/v1/completions", "/v1/chat/completions")]
+ANSWER = {"type": "object", "properties": {"word": {"enum": ["yes", "no"]}},
+          "required": ["word"]}
+
+
+def _key_sets_agree(server: ServerProcess, case: Case, extra: dict[str, Any]) -> None:
+    theirs = json.loads((RECORDED / f"{case.name}.json").read_text(encoding="utf-8"))
+    asked = Case(case.name, case.method, case.path, (case.body or {}) | extra, case.stream)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        ours = send(client, asked)
+    assert ours["status"] == 200, ours
+    if case.stream:
+        compared = assert_same_key_sets(stream_key_sets(ours["chunks"][:-1]),
+                                        stream_key_sets(theirs["chunks"][:-1]), case.name)
+    else:
+        compared = assert_same_key_sets(body_key_sets(ours["body"]),
+                                        body_key_sets(theirs["body"]), case.name)
+    assert compared >= 3, compared
+
+
+@pytest.mark.parametrize("case", GENERATING, ids=[c.name for c in GENERATING])
+def test_key_sets_match_vllm(vllm_style_server: ServerProcess, case: Case) -> None:
+    """The same keys as vLLM's, object by object (its nulls included), chunk kind by kind."""
+    _key_sets_agree(vllm_style_server, case, {})
+
+
+@pytest.mark.parametrize("case", [c for c in GENERATING if not c.name.startswith("completion_")
+                                  or c.name == "completion_stream"],
+                         ids=lambda c: c.name)
+def test_key_sets_with_json_schema_match_vllm(vllm_style_server: ServerProcess,
+                                              case: Case) -> None:
+    """A constrained answer has the keys of a free one (vLLM's shapes do not change with
+    structured output: its answers to the json_schema chat requests, recorded beside the
+    tool calls, have the keys of its plain ones)."""
+    _key_sets_agree(vllm_style_server, case, {"structured_outputs": {"json": ANSWER}})
 
 
 def test_echo_prompt_logprobs_agree_with_vllm(vllm_style_server: ServerProcess) -> None:

@@ -7,11 +7,17 @@ from kvserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from kvserve.engine.request import FinishReason, Request, RequestStatus, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
 from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
-from kvserve.engine.structured import StructuredKind, StructuredOutput
+from kvserve.engine.structured import (
+    GuidedDecodingParams,
+    StructuredKind,
+    StructuredOutput,
+    StructuredOutputsParams,
+)
 
 __all__ = [
     "EngineCore",
     "FinishReason",
+    "GuidedDecodingParams",
     "IncrementalDetokenizer",
     "ModelExecutor",
     "PreemptionMode",
@@ -26,6 +32,7 @@ __all__ = [
     "SchedulerOutput",
     "StructuredKind",
     "StructuredOutput",
+    "StructuredOutputsParams",
     "TokenDecoder",
     "TokenLogprob",
 ]

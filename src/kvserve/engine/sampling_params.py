@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvserve.engine.structured import StructuredOutput
+from kvserve.engine.structured import StructuredOutput, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 
@@ -21,7 +21,9 @@ class SamplingParams:
     only (no text, so no stop strings). `truncate_prompt_tokens=k` keeps the prompt's last k
     tokens. `best_of` is accepted only equal to `n` (kvserve returns every sample it draws).
     `spaces_between_special_tokens` must stay True: the fast tokenizer's decoder decides.
-    `structured`: the output must match it (a grammar masks every sampled token's logits).
+    `structured`: the output must match it (a grammar masks every sampled token's logits);
+    vLLM's `structured_outputs=StructuredOutputsParams(...)` (or its older
+    `guided_decoding=GuidedDecodingParams(...)`) sets it.
     """
 
     n: int = 1
@@ -47,6 +49,8 @@ class SamplingParams:
     best_of: int | None = None
     spaces_between_special_tokens: bool = True
     structured: StructuredOutput | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_decoding: StructuredOutputsParams | None = None
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -58,6 +62,18 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        given = [p for p in (self.structured_outputs, self.guided_decoding) if p is not None]
+        if not all(isinstance(p, StructuredOutputsParams) for p in given):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams (and "
+                             "guided_decoding a GuidedDecodingParams), from "
+                             "kvserve.sampling_params")
+        if given:
+            constraint = given[0].to_structured()
+            # A copy (dataclasses.replace) carries both the params and their constraint.
+            if len(given) > 1 or self.structured not in (None, constraint):
+                raise ValueError("give one output constraint: structured_outputs, "
+                                 "guided_decoding or structured")
+            object.__setattr__(self, "structured", constraint)
         self.validate()
 
     def validate(self) -> None:

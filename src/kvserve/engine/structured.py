@@ -47,3 +47,67 @@ class StructuredOutput:
     @property
     def key(self) -> tuple[str, str]:
         return (self.kind.value, self.spec)
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputsParams:
+    """vLLM's offline constraint (`SamplingParams(structured_outputs=...)`, its field names):
+    exactly one of `json` (a schema, as a dict or JSON text), `regex`, `choice`, `json_object`.
+    `grammar`, `structural_tag`, `whitespace_pattern` and `disable_additional_properties`
+    change what the output may be in ways kvserve does not implement: a ValueError names them.
+    `disable_any_whitespace` is what kvserve always does."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def to_structured(self) -> StructuredOutput:
+        """The engine's constraint; ValueError for what kvserve cannot enforce."""
+        for name in ("grammar", "structural_tag", "whitespace_pattern"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{type(self).__name__}.{name} is not supported; use json, "
+                                 "regex, choice or json_object")
+        if self.disable_additional_properties:
+            raise ValueError(f"{type(self).__name__}.disable_additional_properties is not "
+                             "supported; write additionalProperties: false in the schema")
+        found = [name for name in ("json", "regex", "choice", "json_object")
+                 if getattr(self, name) not in (None, False)]
+        if len(found) != 1:
+            raise ValueError(f"{type(self).__name__} needs exactly one of json, regex, choice "
+                             f"or json_object, got {found or 'none'}")
+        if self.json is not None:
+            schema = json.loads(self.json) if isinstance(self.json, str) else self.json
+            if not isinstance(schema, dict | bool):
+                raise ValueError(f"{type(self).__name__}.json must be a JSON schema object")
+            return StructuredOutput.json_schema(schema)
+        if self.regex is not None:
+            return StructuredOutput.regex(self.regex)
+        if self.choice is not None:
+            return StructuredOutput.choice(list(self.choice))
+        return StructuredOutput.json_object()
+
+
+# Backends a caller may name: kvserve's grammar library is llguidance whatever is asked.
+_BACKENDS = (None, "auto", "guidance", "llguidance")
+
+
+@dataclass(frozen=True, slots=True)
+class GuidedDecodingParams(StructuredOutputsParams):
+    """vLLM's older name for the same (`SamplingParams(guided_decoding=...)`, vLLM <= 0.10),
+    with its `backend` and `disable_fallback`."""
+
+    backend: str | None = None
+    disable_fallback: bool = False
+
+    def to_structured(self) -> StructuredOutput:
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"GuidedDecodingParams.backend {self.backend!r} is not available: "
+                             "kvserve enforces structured output with llguidance (omit it, or "
+                             "say 'auto' or 'guidance')")
+        return StructuredOutputsParams.to_structured(self)

@@ -14,10 +14,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvserve.runtime import AsyncEngine
+from kvserve.server.chat_formatting import ChatFormatter
 from kvserve.server.debug import kv_report
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.event_waiters import EventWaiters, wait_for_event
-from kvserve.server.formatting import ChatFormatter, CompletionFormatter
+from kvserve.server.formatting import CompletionFormatter
 from kvserve.server.kv_prefill import PrefillRequest, PrefillService
 from kvserve.server.kv_publisher import ZmqKVEventPublisher
 from kvserve.server.kv_pull import KVPuller
@@ -257,13 +258,13 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         pull_from = pull_source(raw)
         call = serving.begin(raw, body.model, body.cache_salt)
         cache_salt = call.cache_salt
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = ChatFormatter(tokenizer, call.request_id, call.created, model_name, want_logprobs,
-                            tools)
+                            tools, usage_chunk=include_usage)
         if not body.stream:
             (output,) = await serving.collect(raw, call, [prompt], params, cache_salt,
                                               pull_from)
             return JSONResponse(fmt.whole(output))
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
         events = serving.stream(call, [prompt], params, cache_salt, pull_from)
         first = await _first_or_error(events, raw, call)
 
@@ -275,8 +276,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
                     yield sse_error(call, error)
                     await events.aclose()
                     return
-                chunk = fmt.chunk(output)
-                if chunk is not None:
+                for chunk in fmt.chunks(output):
                     yield sse(chunk)
                 if output.finished:
                     final = output

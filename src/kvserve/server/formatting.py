@@ -1,4 +1,9 @@
-"""OpenAI response bodies from engine outputs: completions and chat, whole and streamed."""
+"""OpenAI response bodies of /v1/completions from engine outputs, whole and streamed, and what
+chat's bodies share with them (usage, logprobs, the stream cursor).
+
+The bodies carry the fields vLLM 0.32 sends, with vLLM's nulls for what kvserve has no value
+for (its connectors' `kv_transfer_params`, `token_ids` unless asked for, ...), so clients and
+tools written against vLLM's answers read kvserve's unchanged (tests/data/vllm_responses)."""
 
 from __future__ import annotations
 
@@ -10,19 +15,26 @@ from kvserve import __version__
 from kvserve.engine import TokenLogprob
 from kvserve.model import Tokenizer
 from kvserve.runtime import CompletionOutput, RequestOutput
-from kvserve.server.tool_calls import ToolPlan
-from kvserve.server.tool_parsers import ToolCall, ToolStream
 
 SYSTEM_FINGERPRINT = f"kvserve-{__version__}"
 
 
-def usage(outputs: Sequence[RequestOutput]) -> dict[str, Any]:
+# Fields of vLLM's whole answers that kvserve has no value for: vLLM sends them null.
+VLLM_NULLS = {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+CHOICE_NULLS = {"token_ids": None, "routed_experts": None}
+
+
+def usage(outputs: Sequence[RequestOutput], whole: bool = True) -> dict[str, Any]:
+    """The usage object; `prompt_tokens_details.cached_tokens` counts prefix-cache hits (as
+    vLLM's --enable-prompt-tokens-details). A stream's usage chunk, as vLLM's, has no
+    `completion_tokens_details`."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(o.num_generated_tokens for o in outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    out = {"prompt_tokens": prompt, "completion_tokens": completion,
+           "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": cached}}
+    return out | {"completion_tokens_details": None} if whole else out
 
 
 def finish_reason(completion: CompletionOutput) -> str | None:
@@ -109,7 +121,7 @@ def echo_text(tokenizer: Tokenizer, output: RequestOutput) -> str:
 
 
 @dataclass(frozen=True, slots=True)
-class _Delta:
+class StreamDelta:
     """What of one sample a stream has not sent yet."""
 
     text: str
@@ -118,7 +130,7 @@ class _Delta:
     ended: bool
 
 
-class _StreamCursor:
+class StreamCursor:
     """How much of each sample's cumulative output a stream has sent.
 
     A streamed `RequestOutput` is the engine's live object: its `new_*` fields may already
@@ -131,7 +143,7 @@ class _StreamCursor:
         self._sent: dict[Any, tuple[int, int, int]] = {}  # key -> (chars, tokens, logprobs)
         self._ended: set[Any] = set()
 
-    def take(self, key: Any, c: CompletionOutput) -> _Delta:
+    def take(self, key: Any, c: CompletionOutput) -> StreamDelta:
         reason = c.finish_reason
         text, num_tokens, logprobs = c.text, len(c.token_ids), c.logprobs[:]
         chars, tokens, lps = self._sent.get(key, (0, 0, 0))
@@ -139,7 +151,11 @@ class _StreamCursor:
         ended = reason is not None and key not in self._ended
         if ended:
             self._ended.add(key)
-        return _Delta(text[chars:], logprobs[lps:], num_tokens > tokens, ended)
+        return StreamDelta(text[chars:], logprobs[lps:], num_tokens > tokens, ended)
+
+    def has_ended(self, key: Any) -> bool:
+        """Whether the sample's last delta has been taken."""
+        return key in self._ended
 
 
 class CompletionFormatter:
@@ -156,7 +172,7 @@ class CompletionFormatter:
         self.want_logprobs = want_logprobs
         self.echo = echo  # each choice starts with its prompt (and the prompt's logprobs)
         self.generate = generate  # False: echo only (max_tokens 0), the sample is not shown
-        self._cursor = _StreamCursor()
+        self._cursor = StreamCursor()
         self._echoed: set[Any] = set()
         self._offsets: dict[Any, int] = {}  # per streamed sample: the next token's text_offset
 
@@ -199,9 +215,11 @@ class CompletionFormatter:
                     "index": p * self.n + c.index, "text": text, "logprobs": logprobs,
                     "finish_reason": finish_reason(c), "stop_reason": c.stop_reason,
                     "prompt_logprobs": prompt_logprobs(self.tokenizer, output),
-                })
+                    "prompt_token_ids": None,
+                } | CHOICE_NULLS)
         return self._head() | {"choices": choices, "usage": usage(outputs),
-                               "system_fingerprint": SYSTEM_FINGERPRINT, "service_tier": None}
+                               "system_fingerprint": SYSTEM_FINGERPRINT,
+                               "service_tier": None} | VLLM_NULLS
 
     def chunk(self, prompt_idx: int, output: RequestOutput) -> dict[str, Any] | None:
         choices = []
@@ -222,105 +240,10 @@ class CompletionFormatter:
                 "index": prompt_idx * self.n + c.index, "text": text, "logprobs": logprobs,
                 "finish_reason": finish_reason(c) if delta.ended else None,
                 "stop_reason": c.stop_reason if delta.ended else None,
+                "prompt_token_ids": None, "token_ids": None,
             })
         return self._head() | {"choices": choices} if choices else None
 
     def usage_chunk(self, outputs: Sequence[RequestOutput]) -> dict[str, Any]:
-        return self._head() | {"choices": [], "usage": usage(outputs),
+        return self._head() | {"choices": [], "usage": usage(outputs, whole=False),
                                "system_fingerprint": SYSTEM_FINGERPRINT}
-
-
-class ChatFormatter:
-    """Bodies for /v1/chat/completions. With a `tools` plan, each choice's text is read into
-    content and `tool_calls` (streamed: `delta.tool_calls`), finish_reason "tool_calls"."""
-
-    def __init__(self, tokenizer: Tokenizer, request_id: str, created: int, model: str,
-                 want_logprobs: bool, tools: ToolPlan | None = None) -> None:
-        self.tokenizer = tokenizer
-        self.id = f"chatcmpl-{request_id}"
-        self.created = created
-        self.model = model
-        self.want_logprobs = want_logprobs
-        self._role_sent: set[int] = set()
-        self._cursor = _StreamCursor()
-        self.tools = tools
-        self._tool_streams: dict[int, ToolStream] = {}
-        self._num_calls: dict[int, int] = {}  # calls sent per choice
-
-    def _finish_reason(self, c: CompletionOutput, called: bool) -> str | None:
-        reason = finish_reason(c)
-        if (called and reason == "stop" and self.tools is not None
-                and self.tools.finishes_with_tool_calls):
-            return "tool_calls"
-        return reason
-
-    def _message(self, c: CompletionOutput) -> tuple[dict[str, Any], bool]:
-        if self.tools is None:
-            return {"role": "assistant", "content": c.text}, False
-        parsed = self.tools.parse(c.text)
-        return {"role": "assistant", "content": parsed.content,
-                "tool_calls": [call.as_dict() for call in parsed.calls]}, bool(parsed.calls)
-
-    def _tool_delta(self, index: int, text: str, ended: bool) -> tuple[str, list[dict[str, Any]]]:
-        """(content, tool-call deltas) of one choice's new text."""
-        stream = self._tool_streams.get(index)
-        if stream is None:
-            assert self.tools is not None
-            stream = self._tool_streams[index] = self.tools.stream()
-        content, calls = stream.feed(text)
-        if ended:
-            tail, more = stream.finish()
-            content, calls = content + tail, calls + more
-        return content, [self._call_delta(index, call) for call in calls]
-
-    def _call_delta(self, index: int, call: ToolCall) -> dict[str, Any]:
-        position = self._num_calls.get(index, 0)
-        self._num_calls[index] = position + 1
-        return {"index": position} | call.as_dict()
-
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def whole(self, output: RequestOutput) -> dict[str, Any]:
-        choices = []
-        for c in output.outputs:
-            message, called = self._message(c)
-            choices.append({
-                "index": c.index, "message": message,
-                "logprobs": chat_logprobs(self.tokenizer, c.logprobs) if self.want_logprobs
-                else None,
-                "finish_reason": self._finish_reason(c, called),
-            })
-        return self._head("chat.completion") | {"choices": choices, "usage": usage([output])}
-
-    def chunk(self, output: RequestOutput) -> dict[str, Any] | None:
-        choices = []
-        for c in output.outputs:
-            delta: dict[str, Any] = {}
-            if c.index not in self._role_sent:
-                delta["role"] = "assistant"
-                self._role_sent.add(c.index)
-            new = self._cursor.take(c.index, c)
-            logprobs = new.logprobs if self.want_logprobs else ()
-            text, calls = new.text, []
-            if self.tools is not None:
-                text, calls = self._tool_delta(c.index, new.text, new.ended)
-            if text or logprobs:  # a token may have logprobs before it has text
-                delta["content"] = text
-            if calls:
-                delta["tool_calls"] = calls
-            if not delta and not new.ended:
-                continue
-            if "content" not in delta and "role" in delta:
-                delta["content"] = ""
-            choices.append({
-                "index": c.index, "delta": delta,
-                "logprobs": chat_logprobs(self.tokenizer, logprobs) if logprobs else None,
-                "finish_reason": self._finish_reason(c, c.index in self._num_calls)
-                if new.ended else None,
-            })
-        return self._head("chat.completion.chunk") | {"choices": choices} if choices else None
-
-    def usage_chunk(self, output: RequestOutput) -> dict[str, Any]:
-        return self._head("chat.completion.chunk") | {"choices": [], "usage": usage([output])}
-

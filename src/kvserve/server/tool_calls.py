@@ -3,9 +3,10 @@ that forces them, and the answer's text turned into `tool_calls` (whole and stre
 
 `none`: plain text. `auto`: the model decides; its text is parsed by `--tool-call-parser`
 (needs `--enable-auto-tool-choice`, as vLLM does). `required`: a grammar forces a JSON array of
-`{"name", "parameters"}` calls of the given tools, their parameters validated by each
-function's schema. A named function: a grammar forces its arguments object. Anything else is a
-400 that says what is supported.
+1 to `MAX_PARALLEL_CALLS` `{"name", "parameters"}` calls of the given tools (vLLM's form), their
+parameters validated by each function's schema; the bound makes the array end, so a model that
+would write calls forever still gives calls. A named function: a grammar forces its arguments
+object. Anything else is a 400 that says what is supported.
 """
 
 from __future__ import annotations
@@ -17,15 +18,20 @@ from typing import Any
 
 from kvserve.engine import StructuredOutput
 from kvserve.server.errors import APIError
+from kvserve.server.tool_call_text import CallText
 from kvserve.server.tool_flags import ToolSettings
 from kvserve.server.tool_parsers import (
     PARSERS,
+    CallDelta,
     Parsed,
-    ToolCall,
     ToolParser,
     ToolStream,
-    call_from_json,
+    new_call_id,
+    parse_whole,
 )
+
+# The most calls one `required` answer holds with parallel_tool_calls (the default).
+MAX_PARALLEL_CALLS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,21 +46,13 @@ class ToolPlan:
 
     def parse(self, text: str) -> Parsed:
         """The answer's content and calls."""
-        if self.mode == "named":
-            assert self.function is not None
-            call = call_from_json({"name": self.function, "arguments": _loads(text)})
-            return Parsed(None, (call,)) if call is not None else Parsed(text, ())
-        if self.mode == "required":
-            calls = _required_calls(text)
-            return Parsed(None, tuple(calls)) if calls else Parsed(text, ())
-        assert self.parser is not None
-        return self.parser.parse(text)
+        return parse_whole(self.stream(whole=True), text)
 
-    def stream(self) -> ToolStream:
+    def stream(self, whole: bool = False) -> ToolStream:
         if self.mode == "auto":
             assert self.parser is not None
-            return self.parser.stream()
-        return _WholeStream(self)
+            return self.parser.stream(whole)
+        return _ForcedStream(self.function, whole)
 
     @property
     def finishes_with_tool_calls(self) -> bool:
@@ -87,9 +85,8 @@ def plan_tools(tools: Sequence[dict[str, Any]] | None, tool_choice: Any,
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, params in functions.items()]
         schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                  "maxItems": MAX_PARALLEL_CALLS if parallel_tool_calls else 1,
                                   "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-        if not parallel_tool_calls:
-            schema["maxItems"] = 1
         return ToolPlan("required", StructuredOutput.json_schema(schema), None)
     if (isinstance(tool_choice, dict) and tool_choice.get("type") == "function"
             and isinstance(tool_choice.get("function"), dict)):
@@ -124,14 +121,6 @@ def _functions(tools: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _required_calls(text: str) -> list[ToolCall]:
-    value = _loads(text)
-    if not isinstance(value, list):
-        return []
-    calls = [call_from_json(item) for item in value]
-    return [c for c in calls if c is not None] if all(calls) else []
-
-
 def _loads(text: str) -> Any:
     try:
         return json.loads(text)
@@ -143,19 +132,86 @@ def _show(value: Any) -> str:
     return repr(value) if isinstance(value, str) else json.dumps(value)[:200]
 
 
-class _WholeStream(ToolStream):
-    """Grammar-forced calls: the JSON is held to the end, then sent as calls (or as content,
-    when max_tokens cut it)."""
+class _ForcedStream(ToolStream):
+    """Grammar-forced calls as they are written: a named function's answer is its arguments
+    object; `required`'s is a JSON array of calls. Each call's first piece names it, then its
+    arguments stream. `whole`: the calls are sent at the end if the answer is complete, else
+    the answer is content (max_tokens cut it)."""
 
-    def __init__(self, plan: ToolPlan) -> None:
-        self._plan = plan
+    def __init__(self, function: str | None, whole: bool) -> None:
+        self._function = function  # None: a `required` array
+        self._whole = whole
         self._text = ""
+        self._pieces: list[CallDelta] = []  # held when whole
+        self._items: list[CallText] = []  # the array's calls, the last one perhaps open
+        self._sent: list[int] = []  # argument characters sent, per array call
+        self._heads: set[int] = set()  # calls whose first piece (the name) is out
+        self._rest = 0  # where the text after the last closed call starts
+        self._is_complete = False
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self._text += text
-        return "", []
+        pieces = self._named(text) if self._function is not None else self._required(text)
+        if self._whole:
+            self._pieces += pieces
+            return "", []
+        return "", pieces
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        parsed = self._plan.parse(self._text)
-        return parsed.content or "", list(parsed.calls)
+    def finish(self) -> tuple[str, list[CallDelta]]:
+        if self._function is not None:
+            value = _loads(self._text)
+            self._is_complete = isinstance(value, dict)
+        if not self._whole:
+            return "", []
+        if not self._is_complete:
+            return self._text, []
+        # One piece per call, the arguments exactly as streamed.
+        calls: dict[int, CallDelta] = {}
+        for piece in self._pieces:
+            head = calls.get(piece.position)
+            calls[piece.position] = piece if head is None else CallDelta(
+                piece.position, head.arguments + piece.arguments, head.name, head.id)
+        return "", [calls[i] for i in sorted(calls)]
 
+    def _named(self, text: str) -> list[CallDelta]:
+        pieces = []
+        if not self._heads:
+            self._heads.add(0)
+            pieces.append(CallDelta(0, "", self._function, new_call_id()))
+        if text:
+            pieces.append(CallDelta(0, text))
+        return pieces
+
+    def _required(self, text: str) -> list[CallDelta]:
+        # Invariant: text before `_rest` belongs to closed calls or the array's punctuation.
+        pieces: list[CallDelta] = []
+        while True:
+            if self._items and self._items[-1].closed is None:
+                item = self._items[-1]
+                if text:
+                    item.feed(text)
+                    text = ""
+                pieces += self._progress(len(self._items) - 1)
+                if item.closed is None:
+                    return pieces
+                self._rest = len(self._text) - (len(item.text) - item.closed)
+            start = self._text.find("{", self._rest)
+            if start < 0:
+                self._is_complete = self._text[self._rest:].rstrip().endswith("]")
+                return pieces
+            self._items.append(CallText())
+            self._sent.append(0)
+            text = self._text[start:]
+
+    def _progress(self, position: int) -> list[CallDelta]:
+        """The pieces of call `position` written since its last ones."""
+        item = self._items[position]
+        pieces = []
+        if position not in self._heads and item.name is not None:
+            self._heads.add(position)
+            pieces.append(CallDelta(position, "", item.name, new_call_id()))
+        arguments = item.arguments
+        if len(arguments) > self._sent[position]:
+            pieces.append(CallDelta(position, arguments[self._sent[position]:]))
+            self._sent[position] = len(arguments)
+        return pieces

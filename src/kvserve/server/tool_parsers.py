@@ -16,6 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.server.tool_call_text import CallText
+
 
 @dataclass(frozen=True, slots=True)
 class ToolCall:
@@ -50,6 +52,27 @@ def call_from_json(value: Any) -> ToolCall | None:
 
 
 @dataclass(frozen=True, slots=True)
+class CallDelta:
+    """A piece of one streamed call. A call's first piece has its `id` and `name`; the
+    `arguments` of its pieces, joined, are the call's arguments."""
+
+    position: int  # the call's index among the choice's calls
+    arguments: str = ""
+    name: str | None = None
+    id: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """OpenAI's `delta.tool_calls` item (a first piece names the call, as vLLM's do)."""
+        function: dict[str, str] = {}
+        if self.name is not None:
+            function["name"] = self.name
+        if self.arguments or self.name is None:
+            function["arguments"] = self.arguments
+        head = {} if self.id is None else {"id": self.id, "type": "function"}
+        return head | {"index": self.position, "function": function}
+
+
+@dataclass(frozen=True, slots=True)
 class Parsed:
     content: str | None
     calls: tuple[ToolCall, ...]
@@ -57,16 +80,27 @@ class Parsed:
 
 class ToolStream(abc.ABC):
     """Incremental parsing of one choice's text: `feed` each new piece, `finish` at the end;
-    both return (content to send now, calls completed now). Content that may still turn out to
-    be part of a call is held back until it is known."""
+    both return (content to send now, call pieces to send now). Content that may still turn
+    out to be part of a call is held back until it is known. Made `whole`, a stream sends each
+    call in one piece once it is complete, and a call that never completes as content: that
+    is how a whole answer is parsed, so its calls equal the pieces streamed."""
 
     @abc.abstractmethod
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         """See the class docstring."""
 
     @abc.abstractmethod
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
         """See the class docstring."""
+
+
+def parse_whole(stream: ToolStream, text: str) -> Parsed:
+    """A whole answer read by a `whole` stream: its content (None when only calls) and calls."""
+    content, pieces = stream.feed(text)
+    tail, more = stream.finish()
+    content += tail
+    calls = [ToolCall(d.name or "", d.arguments, d.id or new_call_id()) for d in pieces + more]
+    return Parsed(content if content.strip() or not calls else None, tuple(calls))
 
 
 class ToolParser(abc.ABC):
@@ -74,12 +108,11 @@ class ToolParser(abc.ABC):
 
     name = ""
 
-    @abc.abstractmethod
     def parse(self, text: str) -> Parsed:
-        """See the class docstring."""
+        return parse_whole(self.stream(whole=True), text)
 
     @abc.abstractmethod
-    def stream(self) -> ToolStream:
+    def stream(self, whole: bool = False) -> ToolStream:
         """See the class docstring."""
 
 
@@ -89,44 +122,42 @@ _START, _END = "<tool_call>", "</tool_call>"
 class HermesParser(ToolParser):
     name = "hermes"
 
-    def parse(self, text: str) -> Parsed:
-        stream = _HermesStream()
-        content, calls = stream.feed(text)
-        tail, more = stream.finish()
-        content += tail
-        calls += more
-        return Parsed(content if content.strip() or not calls else None, tuple(calls))
-
-    def stream(self) -> ToolStream:
-        return _HermesStream()
+    def stream(self, whole: bool = False) -> ToolStream:
+        return _HermesStream(whole)
 
 
 class _HermesStream(ToolStream):
     """Whitespace between and after calls is dropped (the template's line breaks), other text
-    is content wherever it is."""
+    is content wherever it is. Inside `<tool_call>`, the name is sent once it is written and
+    the arguments as they come (`CallText`); a call of another form is sent when it ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole: bool) -> None:
+        self._whole = whole
         self._buffer = ""
-        self._in_call = False
+        self._call: CallText | None = None  # the open call's text
+        self._num_calls = 0  # calls begun (sent or being sent)
+        self._sent_name = False
+        self._sent_chars = 0  # of the open call's arguments
         self._seen_call = False
         self._blank = ""  # whitespace after a call, sent only if more text follows
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self._buffer += text
-        content, calls = "", []
+        content, pieces = "", []
         while True:
-            if self._in_call:
+            if self._call is not None:
                 end = self._buffer.find(_END)
-                if end < 0:
-                    return content, calls
-                body, self._buffer = self._buffer[:end], self._buffer[end + len(_END):]
-                self._in_call = False
-                call = _decode_call(body)
-                if call is None:  # not a call after all: give the text back as content
-                    content += self._text(_START + body + _END)
-                else:
-                    calls.append(call)
-                    self._seen_call = True
+                if end < 0:  # feed what cannot be the start of the end tag
+                    cut = len(self._buffer) - _partial_suffix(self._buffer, _END)
+                    self._call.feed(self._buffer[:cut])
+                    self._buffer = self._buffer[cut:]
+                    pieces += self._progress()
+                    return content, pieces
+                self._call.feed(self._buffer[:end])
+                self._buffer = self._buffer[end + len(_END):]
+                text_back, done = self._close()
+                content += self._text(text_back)
+                pieces += done
                 continue
             start = self._buffer.find(_START)
             if start >= 0:
@@ -136,12 +167,54 @@ class _HermesStream(ToolStream):
                 else:
                     content += self._text(before)
                 self._buffer = self._buffer[start + len(_START):]
-                self._in_call = True
+                self._call = CallText()
+                self._sent_name, self._sent_chars = False, 0
                 continue
             cut = len(self._buffer) - _partial_suffix(self._buffer, _START)
             content += self._text(self._buffer[:cut])
             self._buffer = self._buffer[cut:]
-            return content, calls
+            return content, pieces
+
+    def _progress(self) -> list[CallDelta]:
+        """Pieces of the open call written since the last ones (none when `whole`)."""
+        call = self._call
+        assert call is not None
+        if self._whole or call.name is None:
+            return []
+        pieces = []
+        if not self._sent_name:
+            self._sent_name = True
+            self._seen_call = True
+            self._num_calls += 1
+            pieces.append(CallDelta(self._num_calls - 1, "", call.name, new_call_id()))
+        if not call.is_other_form:
+            arguments = call.arguments
+            if len(arguments) > self._sent_chars:
+                pieces.append(CallDelta(self._num_calls - 1, arguments[self._sent_chars:]))
+                self._sent_chars = len(arguments)
+        return pieces
+
+    def _close(self) -> tuple[str, list[CallDelta]]:
+        """The open call has ended: (its text back as content, if it was no call; its last
+        pieces)."""
+        call = self._call
+        assert call is not None
+        pieces = self._progress()
+        self._call = None
+        decoded = _decode_call(call.text)
+        streamed = self._sent_name
+        if decoded is None:
+            return ("", pieces) if streamed else (_START + call.text + _END, [])
+        self._seen_call = True
+        form_arguments = call.arguments if call.has_complete_arguments and \
+            not call.is_other_form else decoded.arguments
+        if not streamed:  # whole, or a call of another form whose name never came out
+            self._num_calls += 1
+            return "", [CallDelta(self._num_calls - 1, form_arguments, decoded.name,
+                                  decoded.id)]
+        if call.is_other_form and self._sent_chars == 0:
+            pieces.append(CallDelta(self._num_calls - 1, decoded.arguments))
+        return "", pieces
 
     def _text(self, text: str) -> str:
         if not self._seen_call:
@@ -152,25 +225,22 @@ class _HermesStream(ToolStream):
         out, self._blank = self._blank, ""
         return out
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
         rest, self._buffer = self._buffer, ""
-        if not self._in_call:
+        if self._call is None:
             return self._text(rest), []
-        self._in_call = False
-        call = _decode_call(rest)  # the model ended (EOS) right after the call's JSON
-        return ("", [call]) if call is not None else (self._text(_START + rest), [])
+        # The model ended (EOS) inside a call, perhaps right after its JSON.
+        self._call.feed(rest)
+        text_back, pieces = self._close()
+        if text_back:
+            return self._text(text_back[:-len(_END)]), pieces
+        return "", pieces
 
 
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
 
-    def parse(self, text: str) -> Parsed:
-        calls = _llama3_calls(text)
-        if calls is None:
-            return Parsed(text, ())
-        return Parsed(None, tuple(calls))
-
-    def stream(self) -> ToolStream:
+    def stream(self, whole: bool = False) -> ToolStream:
         return _Llama3Stream()
 
 
@@ -179,13 +249,13 @@ _PYTHON_TAG = "<|python_tag|>"
 
 class _Llama3Stream(ToolStream):
     """The answer is either all calls or all content: decided by its first visible character,
-    then held to the end (calls) or sent as it comes (content)."""
+    then held to the end (calls, each in one piece) or sent as it comes (content)."""
 
     def __init__(self) -> None:
         self._buffer = ""
         self._mode: str | None = None  # "calls" | "content"
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[CallDelta]]:
         self._buffer += text
         if self._mode is None:
             head = self._buffer.lstrip()
@@ -197,11 +267,13 @@ class _Llama3Stream(ToolStream):
         out, self._buffer = self._buffer, ""
         return out, []
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[CallDelta]]:
         rest, self._buffer = self._buffer, ""
         if self._mode == "calls":
             calls = _llama3_calls(rest)
-            return ("", calls) if calls is not None else (rest, [])
+            if calls is None:
+                return rest, []
+            return "", [CallDelta(i, c.arguments, c.name, c.id) for i, c in enumerate(calls)]
         return rest, []
 
 

@@ -1,6 +1,6 @@
-"""The structured-output and tool-call requests recorded from vLLM (record_structured.py) and
-replayed against kvserve (tests/server/test_tool_calls_http.py), and the response shape they are
-compared by."""
+"""The structured-output, tool-call and streamed chat requests recorded from vLLM
+(record_structured.py) and replayed against kvserve (tests/server/test_tool_calls_http.py, which
+compares the answers' key sets with tests/server/vllm_key_sets.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,13 @@ REQUESTS: dict[str, dict[str, Any]] = {
                       "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False},
     "tool_named": {"messages": MESSAGES, "max_tokens": 100, "temperature": 0.0, "tools": TOOLS,
                    "tool_choice": {"type": "function", "function": {"name": "add"}}},
+    "json_schema_stream": {"messages": MESSAGES, "max_tokens": 60, "temperature": 0.0,
+                           "stream": True, "stream_options": {"include_usage": True},
+                           "response_format": {"type": "json_schema",
+                                               "json_schema": {"name": "answer",
+                                                               "schema": ANSWER}}},
+    "chat_stream": {"messages": MESSAGES, "max_tokens": 8, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}},
     "tool_required_stream": {"messages": MESSAGES, "max_tokens": 100, "temperature": 0.0,
                              "tools": TOOLS, "tool_choice": "required",
                              "parallel_tool_calls": False, "stream": True},
@@ -43,12 +50,3 @@ def shape_model() -> dict[str, Any]:
     return base_config(max_position_embeddings=1024, hidden_size=128, num_attention_heads=4,
                        num_key_value_heads=2)
 
-
-def shape(value: Any) -> Any:
-    """A JSON value's shape: objects keep their keys, lists the shape of their first item,
-    scalars their type name (null stays null)."""
-    if isinstance(value, dict):
-        return {k: shape(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [shape(value[0])] if value else []
-    return None if value is None else type(value).__name__
