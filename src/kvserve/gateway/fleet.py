@@ -1,0 +1,150 @@
+"""The routing core's live parts that every front end drives alike: the worker pool, the
+policy, admission, the retry budget, the keys, the metrics and the background readers that keep
+them fresh (scrapes, KV events). kvserve's proxy (`app.py`) and the Endpoint Picker
+(`epp/`) both build theirs here, so a request is admitted, routed and counted the same way
+whichever front end sees it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+from tokenizers import Tokenizer
+
+from kvserve.gateway.admission import Admission
+from kvserve.gateway.foreign_load import ForeignLoad
+from kvserve.gateway.kv_events import EventFollower
+from kvserve.gateway.latency_limit import LatencyLimit
+from kvserve.gateway.metrics import GatewayMetrics
+from kvserve.gateway.policies import CapacityAware, PrecisePolicy, RoutingPolicy, make_policy
+from kvserve.gateway.retry_budget import RetryBudget
+from kvserve.gateway.scraper import Scraper
+from kvserve.gateway.settings import GatewaySettings
+from kvserve.gateway.text_capacity import TextCapacity
+from kvserve.gateway.token_keys import ExactKeys, workers_model_dir
+from kvserve.gateway.upstream_http import UpstreamClient
+from kvserve.gateway.worker_pool import WorkerPool
+from kvserve.gateway.zmq_events import ZmqEventFollower
+
+
+@dataclass(slots=True)
+class Fleet:
+    """One front end's routing state. `start()` before serving, `stop()` after;
+    `on_scraped` callbacks run after each scrape round (health and capacity may have
+    changed)."""
+
+    settings: GatewaySettings
+    pool: WorkerPool
+    policy: RoutingPolicy
+    admission: Admission
+    budget: RetryBudget
+    keys: ExactKeys
+    foreign: ForeignLoad
+    metrics: GatewayMetrics
+    client: httpx.AsyncClient
+    upstream_client: UpstreamClient
+    scraper: Scraper
+    capacity: TextCapacity | None
+    follower: EventFollower | None
+    subscriber: ZmqEventFollower | None
+    on_scraped: list[Callable[[], None]] = field(default_factory=list)
+
+    def scraped(self) -> None:
+        self.admission.refresh()
+        for callback in self.on_scraped:
+            callback()
+
+    async def start(self) -> None:
+        workers = list(self.settings.workers)
+        await self.scraper.scrape_once()
+        self.scraper.start()
+        await self.keys.resolve(self.client, workers)
+        if self.capacity is not None and self.keys.keyer is None:  # text keys: chars per token
+            root = await workers_model_dir(self.client, workers)
+            if root is not None:
+                self.capacity.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+        if self.subscriber is not None:
+            self.subscriber.start()
+            await self.subscriber.wait_subscribed(5.0)
+        if self.follower is not None:
+            await self.follower.poll_once()
+            self.follower.start()
+
+    async def stop(self) -> None:
+        if self.follower is not None:
+            await self.follower.stop()
+        if self.subscriber is not None:
+            await self.subscriber.stop()
+        await self.scraper.stop()
+        await self.client.aclose()
+        await self.upstream_client.aclose()
+
+
+async def served_model_id(client: httpx.AsyncClient, url: str) -> str | None:
+    """The first model id the worker's /v1/models lists (None if it cannot be read)."""
+    try:
+        answer = await client.get(f"{url}/v1/models", timeout=5.0)
+        return str(answer.json()["data"][0]["id"]) if answer.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
+def build_fleet(settings: GatewaySettings,
+                on_shared: Callable[[bool, RoutingPolicy, ForeignLoad], None] | None = None
+                ) -> Fleet:
+    """The parts `settings` ask for; raises ValueError saying which flags disagree."""
+    pool = WorkerPool(list(settings.workers))
+    policy = make_policy(settings.policy, **dict(settings.policy_options))
+    event_sources = dict(settings.worker_kv_events)
+    if event_sources and not isinstance(policy, PrecisePolicy):
+        raise ValueError("--worker-kv-events feeds --policy precise's index; add --policy "
+                         "precise or drop --worker-kv-events")
+    unknown = sorted(set(event_sources) - set(settings.workers))
+    if unknown:
+        raise ValueError(f"--worker-kv-events names {', '.join(unknown)}, which is not a "
+                         "--worker; give the same URL to both")
+    latency = (LatencyLimit(settings.max_in_flight,
+                            floor=min(len(settings.workers), settings.max_in_flight))
+               if settings.latency_limit else None)
+    admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s,
+                          max_queue_wait_s=settings.max_queue_wait_s,
+                          fleet_slots=lambda: pool.fleet_slots(time.monotonic(),
+                                                               settings.learned_capacity),
+                          latency=latency,
+                          latency_applies=lambda: (settings.ttft_target_s is not None
+                                                   or not pool.all_declared(time.monotonic())))
+    budget = RetryBudget(ratio=settings.retry_ratio)
+    keys = ExactKeys(settings.tokenizer, settings.block_size, settings.policy == "precise")
+    foreign = ForeignLoad()
+    metrics = GatewayMetrics(pool, admission, budget, keys, foreign, settings.policy,
+                             policy.replica_safe)
+    client = httpx.AsyncClient(limits=httpx.Limits(max_connections=None,
+                                                   max_keepalive_connections=256))
+    upstream_client = UpstreamClient()
+    # A restarted worker caches nothing: the policy forgets what its index said it held.
+    # An index that cannot see evictions holds no more than the worker's KV cache can.
+    capacity = TextCapacity(policy) if isinstance(policy, CapacityAware) else None
+    fleet_ref: list[Fleet] = []
+    scraper = Scraper(pool, upstream_client, settings.scrape_interval_s,
+                      on_restart=policy.remove_worker,
+                      on_capacity=capacity.worker_capacity if capacity is not None else None,
+                      on_scraped=lambda: fleet_ref[0].scraped(), foreign=foreign,
+                      on_shared=(None if on_shared is None
+                                 else lambda shared: on_shared(shared, policy, foreign)),
+                      metrics_key=settings.metrics_key)
+    follower = (EventFollower(pool, policy, upstream_client, settings.events_interval_s,
+                              settings.admin_key,
+                              min_interval_s=settings.events_min_interval_s)
+                if isinstance(policy, PrecisePolicy) else None)
+    subscriber = None
+    if isinstance(policy, PrecisePolicy) and follower is not None and event_sources:
+        follower.unsupported.update(event_sources)  # followed over ZMQ instead
+        subscriber = ZmqEventFollower(event_sources, policy,
+                                      lambda url: served_model_id(client, url),
+                                      block_size=settings.block_size)
+    fleet = Fleet(settings, pool, policy, admission, budget, keys, foreign, metrics, client,
+                  upstream_client, scraper, capacity, follower, subscriber)
+    fleet_ref.append(fleet)
+    return fleet
