@@ -113,20 +113,32 @@ def test_one_tenant_one_worker_and_tenants_never_share(stack: Stack, model_name:
         answer = alice.completions.create(model=model_name, prompt=prompt, max_tokens=1)
         assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
         cached.append(answer.usage.prompt_tokens_details.cached_tokens)
+    wait_until(lambda: sum(stack.finished()) == sum(before) + 3, 5.0,
+               "the workers to count the requests")
     grew = [after - was for after, was in zip(stack.finished(), before, strict=True)]
     assert sorted(grew) == [0, 3], grew  # all three on one worker
     assert cached[0] == 0 and min(cached[1:]) >= 80
-    # Bob sends the same prompt naming Alice's real salt: the picker drops it for his own, so
-    # it hits nothing and warms Bob's cache, not Alice's.
+    holder = grew.index(3)
+    # New tenants send the same prompt, every other one naming Alice's real salt: each first
+    # send hits nothing, wherever it lands (the picker salts it with its own tenant's salt,
+    # never the client's). Until both kinds have landed on Alice's worker.
     alice_salt = Tenancy(SECRET).salt_for("alice")
-    bob = stack.client("bob")
-    cached = []
-    for body in ({"cache_salt": alice_salt}, {}):
-        answer = bob.completions.create(model=model_name, prompt=prompt, max_tokens=1,
-                                        extra_body=body)
+    on_holder = {"plain": 0, "forged": 0}
+    for n in range(24):
+        kind = ("plain", "forged")[n % 2]
+        before = stack.finished()
+        answer = stack.client(f"mallory-{n}").completions.create(
+            model=model_name, prompt=prompt, max_tokens=1,
+            extra_body={"cache_salt": alice_salt} if kind == "forged" else {})
         assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
-        cached.append(answer.usage.prompt_tokens_details.cached_tokens)
-    assert cached[0] == 0 and cached[1] >= 80
+        assert answer.usage.prompt_tokens_details.cached_tokens == 0, (n, kind)
+        wait_until(lambda before=before: sum(stack.finished()) == sum(before) + 1, 5.0,
+                   "the worker to count the request")
+        landed = [after - was for after, was in zip(stack.finished(), before, strict=True)]
+        on_holder[kind] += landed[holder]
+        if min(on_holder.values()) > 0:
+            return
+    raise AssertionError(f"too few new tenants were routed to Alice's worker: {on_holder}")
 
 
 def test_bad_input_is_answered_by_the_picker(stack: Stack) -> None:

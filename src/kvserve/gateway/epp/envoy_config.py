@@ -46,10 +46,10 @@ static_resources:
                   timeout: 0s
                   idle_timeout: {idle_timeout_s}s
                   # Before the first byte only: a worker that refuses the connection, resets
-                  # it or pushes back (503) is skipped for the next endpoint of the list.
+                  # it or pushes back (429, 503) is skipped for the next endpoint of the list.
                   retry_policy:
                     retry_on: connect-failure,refused-stream,reset,retriable-status-codes
-                    retriable_status_codes: [503]
+                    retriable_status_codes: [429, 503]
                     num_retries: {num_retries}
                     per_try_timeout: 0s
                 # The worker that answered, read back by the picker on the response path.
