@@ -123,7 +123,8 @@ def test_the_index_never_exceeds_its_cap_and_keeps_the_latest_head(
     cap: int, chain_lengths: list[int], seed: int
 ) -> None:
     rng = random.Random(seed)
-    policy = CacheAwarePolicy(max_blocks_per_worker=cap)
+    policy = CacheAwarePolicy()
+    policy.set_worker_capacity("w", cap * RouteRequest((), "t").block_tokens)
     for length in chain_lengths:
         hashes = tuple(rng.randbytes(32) for _ in range(length))
         if rng.random() < 0.3:  # sometimes a chain extends an earlier one

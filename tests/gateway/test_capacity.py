@@ -83,8 +83,12 @@ def test_without_a_known_capacity_every_tenant_stays_pinned_to_the_survivor() ->
                for req in tenants)
 
 
-def test_capacity_is_counted_in_the_requests_blocks_and_capped_by_the_option() -> None:
-    policy = CacheAwarePolicy(max_blocks_per_worker=10)
+def test_capacity_is_counted_in_the_requests_blocks_and_capped_at_the_memory_bound(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserve.gateway.policies import cache_aware
+
+    monkeypatch.setattr(cache_aware, "MAX_BLOCKS_PER_WORKER", 10)
+    policy = CacheAwarePolicy()
     req = tenant_request(0)
     block_tokens = req.block_tokens
     policy.set_worker_capacity("a", 3 * block_tokens + block_tokens - 1)  # 3 whole blocks
@@ -150,31 +154,6 @@ def _full_pair(policy: CacheAwarePolicy) -> list[RouteRequest]:
     for i, req in enumerate(tenants):
         policy.observe(req, "ab"[i % 2])
     return tenants
-
-
-def test_with_every_cache_full_a_forgotten_tenant_goes_back_to_its_last_worker() -> None:
-    homing = CacheAwarePolicy(home_weight=4.0, cold_placement="footprint")
-    plain = CacheAwarePolicy(cold_placement="footprint")
-    forgotten = _full_pair(homing)[0]  # last sent to a
-    _full_pair(plain)
-    busy_home = views({"a": 2, "b": 0})  # a is two requests busier
-    assert plain.route(forgotten, busy_home).worker_id == "b"  # moved: evicts a tenant on b
-    decision = homing.route(forgotten, busy_home)
-    assert (decision.worker_id, decision.branch) == ("a", Branch.LEAST_LOAD)
-    assert homing.route(forgotten, views({"a": 5, "b": 0})).worker_id == "b"  # home too busy
-    # An empty worker (c just came back) outweighs the home: there is room for the tenant.
-    assert homing.route(forgotten, views({"a": 0, "b": 0, "c": 0})).worker_id == "c"
-
-
-def test_the_capacity_and_the_home_are_options() -> None:
-    policy = CacheAwarePolicy(use_worker_capacity=False)
-    policy.set_worker_capacity("a", 2 * tenant_request(0).block_tokens)
-    policy.observe(tenant_request(0), "a")
-    assert policy.index_size("a") == BLOCKS_PER_TENANT  # not capped at two blocks
-    with pytest.raises(ValueError, match="home_weight must be >= 0"):
-        CacheAwarePolicy(home_weight=-1.0)
-    with pytest.raises(ValueError, match="add cold_placement=footprint"):
-        CacheAwarePolicy(home_weight=4.0)  # rendezvous placement has no home to weigh
 
 
 class _Told:

@@ -97,10 +97,10 @@ def test_limits_are_checked() -> None:
 def test_a_queued_request_waits_at_most_half_its_time_left() -> None:
     async def scenario() -> None:
         admission = Admission(1, 8, queue_timeout_s=5.0)
-        await admission.acquire()
+        await admission.admit()
         started = time.monotonic()
         with pytest.raises(Saturated) as refused:
-            await admission.acquire(deadline=started + 0.4)
+            await admission.admit(deadline=started + 0.4)
         waited = time.monotonic() - started
         assert refused.value.reason == "deadline"
         assert 0.15 <= waited < 1.0, waited  # half of 0.4 s, not the 5 s queue timeout
@@ -143,17 +143,17 @@ def test_answer_times_read_a_high_quantile_of_the_last_samples() -> None:
 def test_a_patient_client_queues_past_the_queue_timeout_when_answers_are_quick() -> None:
     async def scenario() -> None:
         admission = Admission(1, 8, queue_timeout_s=0.05, max_queue_wait_s=5.0)
-        await admission.acquire()
+        slot = await admission.admit()
         for _ in range(MIN_ANSWER_SAMPLES):
-            admission.first_byte(admission.generation, late=False, answer_s=0.2)
+            slot.first_byte(late=False, answer_s=0.2)
         started = time.monotonic()
         with pytest.raises(Saturated) as refused:
-            await admission.acquire()  # says nothing: the operator's queue timeout
+            await admission.admit()  # says nothing: the operator's queue timeout
         assert refused.value.reason == "queue timeout"
         assert time.monotonic() - started < 0.25
         started = time.monotonic()
         with pytest.raises(Saturated) as refused:
-            await admission.acquire(deadline=started + 0.8)  # may wait 0.8 - 0.2 s
+            await admission.admit(deadline=started + 0.8)  # may wait 0.8 - 0.2 s
         waited = time.monotonic() - started
         assert refused.value.reason == "deadline"
         assert 0.5 <= waited < 0.78, waited
@@ -165,40 +165,31 @@ def test_a_patient_client_queues_past_the_queue_timeout_when_answers_are_quick()
 def test_a_patient_client_is_served_when_a_slot_frees_after_the_queue_timeout() -> None:
     async def scenario() -> None:
         admission = Admission(1, 8, queue_timeout_s=0.05)
-        await admission.acquire()
+        slot = await admission.admit()
         for _ in range(MIN_ANSWER_SAMPLES):
-            admission.first_byte(admission.generation, late=False, answer_s=0.5)
-        asyncio.get_running_loop().call_later(0.3, admission.release)
-        await admission.acquire(deadline=time.monotonic() + 10.0)
+            slot.first_byte(late=False, answer_s=0.5)
+        asyncio.get_running_loop().call_later(0.3, slot.release)
+        await admission.admit(deadline=time.monotonic() + 10.0)
         assert admission.in_flight == 1 and admission.rejected == 0
 
     asyncio.run(scenario())
 
 
-def test_late_answers_shrink_admission_and_answers_in_time_let_the_queue_in() -> None:
+def test_answers_in_time_let_a_queued_request_in_through_the_slot() -> None:
     async def scenario() -> None:
         latency = LatencyLimit(ceiling=8, floor=1)
         admission = Admission(8, 8, queue_timeout_s=5.0, latency=latency)
-        generations = [await admission.acquire() for _ in range(4)]
-        assert generations == [0, 0, 0, 0] and admission.limit == 8
-        admission.first_byte(generations[0], late=True)  # 4 in flight: the limit falls to 2
-        assert admission.limit == 2 and admission.generation == 1
-        admission.first_byte(generations[1], late=True)  # same generation: no second cut
-        assert admission.limit == 2
-        admission.release()
-        admission.release()  # 2 in flight: the limit is full
-        queued = asyncio.create_task(admission.acquire())
+        held = [await admission.admit() for _ in range(4)]
+        held[0].first_byte(late=True)  # 4 in flight: the limit falls to 2
+        held.pop().release()
+        held.pop().release()
+        queued = asyncio.create_task(admission.admit())
         await asyncio.sleep(0)
         assert admission.queued == 1 and not queued.done()
-        for _ in range(2):  # in time, with the limit in use: 2 -> 2.5 -> 2.9
-            admission.first_byte(1, late=False)
+        for _ in range(3):  # in time, with the limit in use: 2 -> 2.5 -> 2.9 -> 3.24
+            held[0].first_byte(late=False)
         await asyncio.sleep(0)
-        assert not queued.done()
-        admission.first_byte(1, late=False)  # -> 3.24: the queued request gets the new slot
-        await asyncio.sleep(0)
-        assert queued.done() and queued.result() == 1 and admission.in_flight == 3
-        admission.gave_up(1)  # its client left before a first byte: cut to half of 3
-        assert admission.limit == 1 and admission.generation == 2
+        assert queued.done() and queued.result().generation == 1 and admission.in_flight == 3
 
     asyncio.run(scenario())
 
@@ -208,12 +199,11 @@ def test_lateness_is_the_workers_time_not_the_wait_for_admission() -> None:
 
     # A 10 s client that waited 5 s for admission: the workers had 5 s, and 3/4 of that is
     # late, although 8 s after arrival is already past 3/4 of the client's timeout.
-    budget = _Budget(started=0.0, timeout_s=10.0, ttft_target_s=None, generation=0,
-                     admitted=5.0)
+    budget = _Budget(started=0.0, timeout_s=10.0, ttft_target_s=None, admitted=5.0)
     assert not budget.is_late(8.0)
     assert budget.is_late(9.0)
-    assert _Budget(0.0, 10.0, 2.0, 0, admitted=5.0).is_late(7.5)  # --ttft-target 2 s
-    assert not _Budget(0.0, None, None, 0, admitted=5.0).is_late(500.0)  # nothing said
+    assert _Budget(0.0, 10.0, 2.0, admitted=5.0).is_late(7.5)  # --ttft-target 2 s
+    assert not _Budget(0.0, None, None, admitted=5.0).is_late(500.0)  # nothing said
 
 
 def test_the_latency_limit_neither_bounds_nor_learns_where_it_does_not_apply() -> None:
@@ -222,13 +212,12 @@ def test_the_latency_limit_neither_bounds_nor_learns_where_it_does_not_apply() -
         latency = LatencyLimit(ceiling=8, floor=1)
         admission = Admission(8, 8, queue_timeout_s=5.0, latency=latency,
                               latency_applies=lambda: applies[0])
-        generations = [await admission.acquire() for _ in range(4)]
-        generation = generations[0]
-        admission.first_byte(generation, late=True)
-        admission.gave_up(generation)
+        held = [await admission.admit() for _ in range(4)]
+        held[0].first_byte(late=True)
+        held[0].gave_up()
         assert latency.cuts == 0 and admission.limit == 8  # every worker declares its batch
         applies[0] = True  # a vLLM worker joined: lateness counts again
-        admission.first_byte(generation, late=True)
+        held[0].first_byte(late=True)
         assert latency.cuts == 1 and admission.limit == 2
 
     asyncio.run(scenario())

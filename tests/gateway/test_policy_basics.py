@@ -85,8 +85,10 @@ def test_the_factory_checks_names_and_options_at_the_boundary() -> None:
         make_policy("prefix_hash", load_factor=0.9)
     with pytest.raises(ValueError, match="load_weight must be a positive"):
         make_policy("cache_aware", load_weight=0)
-    with pytest.raises(ValueError, match="max_blocks_per_worker"):
-        make_policy("cache_aware", max_blocks_per_worker=0)
+    with pytest.raises(ValueError, match="no option home_weight; its options are: "
+                       "block_credit, load_weight, footprint_weight, backlog_weight, "
+                       "cold_placement"):
+        make_policy("cache_aware", home_weight=4.0)  # cut: off by default, never won
 
 
 def test_load_is_gateway_in_flight_plus_the_workers_waiting_queue() -> None:

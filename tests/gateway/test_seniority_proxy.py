@@ -15,7 +15,7 @@ import pytest
 from kvserve.bench.stub_worker import StubWorker
 from tests.gateway.processes import Process, running_gateway, wait_until
 
-DELAY_S = 1.5  # the stub's time to an answer: one request at a time, so one every DELAY_S
+DELAY_S = 3.0  # the stub's time to an answer: one request at a time, so one every DELAY_S
 
 
 @pytest.fixture(params=["--seniority", "--no-seniority"])

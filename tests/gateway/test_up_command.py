@@ -33,9 +33,9 @@ def test_stopping_up_stops_its_workers(tmp_path: Path, sig: signal.Signals) -> N
                              + re.escape(up.url), up.log())
         assert len(workers) == 1 and _serving(workers[0]), up.log()
         _answers_the_one_curl_offered(up.log(), up.url)
-        listing = up.get("/workers").json()  # one gateway: new prefixes by footprint
+        listing = up.get("/workers").json()  # the gateway's own defaults, no option of up's
         assert listing["policy"] == "cache_aware", listing
-        assert listing["policy_options"] == {"cold_placement": "footprint"}, listing
+        assert listing["policy_options"] == {}, listing
         up.proc.send_signal(sig)
         up.proc.wait(60.0)
         wait_until(lambda: not _serving(workers[0]), 30.0, f"worker {workers[0]} to stop",
@@ -68,13 +68,16 @@ def test_up_and_a_gateway_route_cache_aware_unless_told() -> None:
                               "prefix_hash"]).policy == "prefix_hash"
 
 
-def test_up_places_new_prefixes_by_footprint_unless_told() -> None:
-    """One gateway by construction: cache_aware's new prefixes go to the emptiest index."""
-    from kvserve.gateway.command import one_gateway_policy_options
+def test_up_and_a_gateway_place_new_prefixes_by_one_rule() -> None:
+    """`kvserve up` routes exactly as `kvserve gateway` given the same flags: no option of its
+    own (a new prefix goes where every replica would put it, unless the operator says)."""
+    from kvserve.cli import build_parser
+    from kvserve.gateway.command import _settings
 
-    assert one_gateway_policy_options("cache_aware", []) == ["cold_placement=footprint"]
-    assert one_gateway_policy_options("cache_aware", ["backlog_weight=0.5"]) == [
-        "backlog_weight=0.5", "cold_placement=footprint"]
-    told = ["cold_placement=rendezvous"]
-    assert one_gateway_policy_options("cache_aware", told) == told
-    assert one_gateway_policy_options("precise", []) == []
+    parser = build_parser()
+    secret = ["--salt-secret", "s" * 32]
+    up = _settings(parser.parse_args(["up", *secret]), ["http://w"])
+    gateway = _settings(parser.parse_args(["gateway", "--worker", "http://w", *secret]),
+                        ["http://w"])
+    assert up.policy == gateway.policy == "cache_aware"
+    assert up.policy_options == gateway.policy_options == ()

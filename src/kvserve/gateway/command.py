@@ -58,9 +58,6 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                         "(x-kvserve-timeout, x-stainless-read-timeout) or --ttft-target. It "
                         "applies while some worker does not declare its batch (vLLM, SGLang), "
                         "or always with --ttft-target")
-    p.add_argument("--learned-capacity", action=argparse.BooleanOptionalAction, default=True,
-                   help="count in the admission limit the batch of a vLLM or SGLang worker, "
-                        "learned when a scrape saw it full (a kvserve worker declares its own)")
     p.add_argument("--seniority", action=argparse.BooleanOptionalAction, default=True,
                    help="queue a client's resend of a request not yet answered (same tenant, "
                         "path and body) in the place its first send took, ahead of younger "
@@ -155,7 +152,6 @@ def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] |
         retry_ratio=args.retry_ratio,
         latency_limit=args.latency_limit, ttft_target_s=args.ttft_target,
         seniority=args.seniority,
-        learned_capacity=args.learned_capacity,
         tenancy=tenancy_from(args), worker_api_key=args.worker_api_key,
         trusted_salt_key=args.trusted_salt_key, metrics_key=args.metrics_key,
         tokenizer=args.tokenizer, block_size=args.block_size, admin_key=args.admin_key,
@@ -228,17 +224,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def one_gateway_policy_options(policy: str, options: list[str]) -> list[str]:
-    """`kvserve up`'s policy options: `cache_aware` places a prefix no index holds on the
-    emptiest index (`cold_placement=footprint`) unless told otherwise, since `up` runs one
-    gateway, with no replica to agree with, and footprint placement keeps cold prefills apart
-    (a lower TTFT tail at the same hit rate: docs/benchmarks.md, "Fleet simulator");
-    `kvserve gateway` keeps rendezvous, which its replicas share."""
-    if policy != "cache_aware" or "cold_placement" in parse_policy_options(options):
-        return options
-    return [*options, "cold_placement=footprint"]
-
-
 def run_up(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     disaggregated = bool(args.prefill_workers or args.decode_workers)
@@ -253,7 +238,6 @@ def run_up(args: argparse.Namespace) -> int:
     except ValueError as exc:
         console.print(f"[red]cannot start: {exc}[/]", soft_wrap=True)
         return 2
-    args.policy_option = one_gateway_policy_options(args.policy, args.policy_option)
     roles = (["prefill"] * args.prefill_workers + ["decode"] * args.decode_workers
              if disaggregated else ["both"] * args.workers)
     # Keys shared by these workers and this gateway only, handed over in the environment (not

@@ -110,12 +110,12 @@ def build_fleet(settings: GatewaySettings,
                if settings.latency_limit else None)
     admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s,
                           max_queue_wait_s=settings.max_queue_wait_s,
-                          fleet_slots=lambda: pool.fleet_slots(time.monotonic(),
-                                                               settings.learned_capacity),
+                          fleet_slots=lambda: pool.fleet_slots(time.monotonic()),
                           latency=latency,
                           latency_applies=lambda: (settings.ttft_target_s is not None
-                                                   or not pool.all_declared(time.monotonic())))
-    budget = RetryBudget(ratio=settings.retry_ratio)
+                                                   or not pool.all_declared(time.monotonic())),
+                          retry_budget=RetryBudget(ratio=settings.retry_ratio))
+    budget = admission.retry_budget
     keys = ExactKeys(settings.tokenizer, settings.block_size, settings.policy == "precise")
     foreign = ForeignLoad()
     metrics = GatewayMetrics(pool, admission, budget, keys, foreign, settings.policy,

@@ -108,7 +108,6 @@ class Forwarder:
         """The first worker (in ranked order) that accepts the request. With `deadline` (on
         time.monotonic), each attempt tells the worker the seconds left (TIMEOUT_HEADER)."""
         now = time.monotonic()
-        self.budget.on_request(now)
         prefill_url: str | None = None
         if self.disagg is not None:
             split = self.disagg.route(route, self.pool.views(now))

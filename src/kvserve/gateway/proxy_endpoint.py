@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.client_timeout import BadTimeout, client_timeout_s, refusals_spend_retries
-from kvserve.gateway.admission import Admission, Saturated
+from kvserve.gateway.admission import Admission, Saturated, Slot
 from kvserve.gateway.forward import Forwarder, NoWorkerAvailable, Upstream
 from kvserve.gateway.latency_limit import is_late
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import NoHealthyWorker
-from kvserve.gateway.prepare import Refused, prepare_request
+from kvserve.gateway.prepare import Prepared, Refused, prepare_request
 from kvserve.gateway.seniority import Seniority, request_key
 from kvserve.gateway.tenancy import Tenancy
 from kvserve.gateway.text_capacity import TextCapacity
@@ -75,18 +75,18 @@ class _TooLarge(Exception):
 @dataclass(slots=True)
 class _Budget:
     """One request's time: when it arrived, its client's timeout (None: not said), and when
-    and at which admission generation it was admitted (None until admitted)."""
+    it was admitted, with its admission slot (None until admitted)."""
 
     started: float
     timeout_s: float | None
     ttft_target_s: float | None  # the gateway's --ttft-target
-    generation: int | None = None
+    slot: Slot | None = None
     admitted: float = 0.0
     answered: bool = False  # its first byte went to the client
     key: bytes = b""  # recognises a resend of the same request (`seniority.request_key`)
 
-    def admit(self, generation: int) -> None:
-        self.generation, self.admitted = generation, time.monotonic()
+    def admit(self, slot: Slot) -> None:
+        self.slot, self.admitted = slot, time.monotonic()
 
     def is_late(self, now: float) -> bool:
         """Whether the workers took too long to start answering (`latency_limit.is_late`)."""
@@ -192,11 +192,26 @@ class ProxyEndpoint:
 
     async def _serve(self, path: str, raw: bytes, headers: dict[str, str], budget: _Budget,
                      send: Send, echo: tuple[tuple[bytes, bytes], ...]) -> None:
-        opened = await self._open(path, raw, headers, budget)
-        if isinstance(opened, _Reply):
-            await _send_reply(send, opened, echo)
+        admitted = await self._admit(path, raw, headers, budget)
+        if isinstance(admitted, _Reply):
+            await _send_reply(send, admitted, echo)
             return
-        upstream = opened
+        prepared, slot = admitted
+        with slot:  # the one place an admitted request's slot is released, however it ends
+            try:
+                opened = await self._open(path, prepared, budget)
+                if not isinstance(opened, _Reply):
+                    await self._answer(opened, send, budget, echo)
+                    return
+            except asyncio.CancelledError:
+                if not budget.answered:  # before release: it counts in flight
+                    slot.gave_up(time.monotonic() - budget.admitted)
+                raise
+        await _send_reply(send, opened, echo)  # the gateway's own answer, its slot freed
+
+    async def _answer(self, upstream: Upstream, send: Send, budget: _Budget,
+                      echo: tuple[tuple[bytes, bytes], ...]) -> None:
+        """Relay the worker's open response to the client, whole or streamed."""
         try:
             content_type = upstream.response.headers.get("content-type", "application/json")
             status = upstream.response.status_code
@@ -219,23 +234,18 @@ class ProxyEndpoint:
             await send({"type": "http.response.start", "status": status, "headers": [
                 (b"content-type", content_type.encode("latin-1")), *echo]})
             await self._relay(upstream, send, budget)
-        except asyncio.CancelledError:
-            if budget.generation is not None and not budget.answered:
-                # before release: it counts in flight
-                self.admission.gave_up(budget.generation, time.monotonic() - budget.admitted)
-            raise
         finally:
-            # Both before anything can suspend: once the response is complete the client
-            # watch may cancel this task at its next suspension (`_ClientWatch`).
-            self.admission.release()
+            # Before anything can suspend (and before the slot's release, which follows at
+            # once): once the response is complete the client watch may cancel this task at
+            # its next suspension (`_ClientWatch`).
             await upstream.close()  # never suspends
 
     def _first_byte(self, budget: _Budget) -> None:
         """The answer started (or the gateway gave up waiting for it): tell admission."""
         budget.answered = True
-        assert budget.generation is not None
+        assert budget.slot is not None
         now = time.monotonic()
-        self.admission.first_byte(budget.generation, budget.is_late(now), now - budget.admitted)
+        budget.slot.first_byte(budget.is_late(now), now - budget.admitted)
 
     def _served(self, budget: _Budget) -> None:
         """A worker answered: the same request sent again is a new one."""
@@ -274,58 +284,57 @@ class ProxyEndpoint:
                         "body": f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()})
         await send({"type": "http.response.body", "body": b""})
 
-    async def _open(self, path: str, raw: bytes, headers: dict[str, str],
-                    budget: _Budget) -> Upstream | _Reply:
-        """The worker's open response (holding an admission slot the caller releases), or the
-        gateway's own answer."""
+    async def _admit(self, path: str, raw: bytes, headers: dict[str, str],
+                     budget: _Budget) -> tuple[Prepared, Slot] | _Reply:
+        """The request prepared and holding an admission slot, or the gateway's own answer."""
         try:
             prepared = prepare_request(path, raw, headers, self.tenancy, self.keys.keyer,
                                        self.worker_api_key, self.trusted_salt_key)
         except Refused as exc:
             return _error(exc.status, exc.message, exc.err_type)
-        body, route, salt = prepared.body, prepared.route, prepared.salt
+        body = prepared.body
         if (self.capacity is not None and self.keys.keyer is None
                 and isinstance(body.get("prompt"), str)):
             self.capacity.sample(body["prompt"])
-        forwarded = prepared.headers
         since = None
         if self.seniority is not None:
-            budget.key = request_key(salt, path, raw)
+            budget.key = request_key(prepared.salt, path, raw)
             since = self.seniority.since(budget.key, budget.started)
             if since < budget.started:
                 self.metrics.resends.inc()
         try:
             # An SDK client counts a 429 as one of its few retries: it waits its turn.
-            budget.admit(await self.admission.acquire(
-                budget.deadline, since, refuse_on_arrival=not refusals_spend_retries(headers)))
+            slot = await self.admission.admit(
+                budget.deadline, since, refuse_on_arrival=not refusals_spend_retries(headers))
         except Saturated as exc:
             self.metrics.rejections.labels(exc.reason).inc()
             return _error(429, f"the fleet is saturated ({exc.reason}); retry after "
                           f"{exc.retry_after_s}s", "rate_limit_error", str(exc.retry_after_s))
+        budget.admit(slot)
+        return prepared, slot
+
+    async def _open(self, path: str, prepared: Prepared, budget: _Budget) -> Upstream | _Reply:
+        """The worker's open response, or the gateway's own answer (the caller holds the
+        admission slot)."""
         try:
             async with asyncio.timeout(budget.left_s()):
-                return await self.forwarder.open(path, body, forwarded, route, budget.started,
+                return await self.forwarder.open(path, prepared.body, prepared.headers,
+                                                 prepared.route, budget.started,
                                                  budget.deadline)
         except TimeoutError:
             self._first_byte(budget)
-            self.admission.release()
             self.metrics.deadline_expired.labels("response").inc()
             return _error(504, budget.expired_message(), "timeout")
         except NoHealthyWorker as exc:
-            self.admission.release()
             self.metrics.rejections.labels("no_healthy_worker").inc()
             return _error(503, f"no healthy worker: {exc}", "service_unavailable", "1")
         except NoWorkerAvailable as exc:
-            self.admission.release()
             self.metrics.rejections.labels(f"upstream_{exc.status}").inc()
             if exc.body is not None:
                 extra = ((b"retry-after", exc.retry_after.encode("latin-1")),) \
                     if exc.retry_after else ()
                 return _Reply(exc.status, exc.body, JSON, extra)
             return _error(503, str(exc), "service_unavailable", "1")
-        except BaseException:
-            self.admission.release()
-            raise
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes | None:

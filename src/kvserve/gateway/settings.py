@@ -31,7 +31,6 @@ class GatewaySettings:
     scrape_interval_s: float = 1.0
     max_body_bytes: int = 8 * 1024 * 1024
     latency_limit: bool = True  # the AIMD limit from late first bytes (`latency_limit.py`)
-    learned_capacity: bool = True  # admission counts batches learned from scrapes too
     seniority: bool = True  # a resend queues in its first send's place (`seniority.py`)
     ttft_target_s: float | None = None  # a first byte later than this is late for that limit
     tenancy: Tenancy = field(default_factory=lambda: Tenancy(generated_secret()))

@@ -79,13 +79,12 @@ class WorkerPool:
     def views(self, now: float) -> list[WorkerView]:
         return [w.view(now) for w in self.workers.values()]
 
-    def fleet_slots(self, now: float, learned: bool = True) -> int | None:
+    def fleet_slots(self, now: float) -> int | None:
         """Requests the healthy workers can hold without a queue of their own beyond a little
         headroom (`worker_slots`); None while some healthy worker's capacity is unknown (it
-        has not been seen full yet, or, unless `learned`, has not declared it), or when none
-        is healthy (the router answers that)."""
-        slots = [worker_slots(w.batch_capacity if learned or w.capacity_declared else 0)
-                 for w in self.serving(now)]
+        has neither declared it nor been seen full yet), or when none is healthy (the router
+        answers that)."""
+        slots = [worker_slots(w.batch_capacity) for w in self.serving(now)]
         if not slots or 0 in slots:
             return None
         return sum(slots)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kvserve.gateway.admission_core import Ticket
 from kvserve.gateway.policies import RouteRequest
 from kvserve.sim.seq import SimSeq
 from kvserve.workload import TraceRequest
@@ -80,7 +81,6 @@ class Attempt:
     seq: SimSeq | None = None
     worker_id: str | None = None
     backlog_tokens: int = 0  # counted at the gateway until the first token (SimGateway.route)
-    is_queued: bool = False  # waiting at the gateway for an admission slot
+    ticket: Ticket | None = None  # its admission at the gateway (None: no admission)
     is_over: bool = False
-    generation: int = 0  # the latency limit's, when it was dispatched
     dispatched_at: float = 0.0  # when it went upstream (after any wait for admission)

@@ -95,7 +95,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="a client with --ttft-timeout says it and waits for a slot while "
                         "it can still be answered in time (gateway.queue_wait), at most this "
                         "many seconds")
-    c.add_argument("--retry-after", type=float, default=1.0)
+    c.add_argument("--retry-after", type=int, default=1, metavar="S",
+                   help="the Retry-After of the gateway's 429s, whole seconds")
     c.add_argument("--latency-limit", action=argparse.BooleanOptionalAction, default=True,
                    help="the gateway's AIMD admission limit, cut by late first tokens "
                         "(with --backpressure)")

@@ -8,16 +8,14 @@ except to report how long the run took; the same inputs give the same result.
 from __future__ import annotations
 
 import gc
-import heapq
-import itertools
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.gateway.admission_core import AdmissionCore, Ticket, TicketState
 from kvserve.gateway.latency_limit import LatencyLimit, is_late
 from kvserve.gateway.policies import CapacityAware, RoutingPolicy, make_policy
-from kvserve.gateway.queue_wait import AnswerTimes, max_queue_wait
 from kvserve.sim.client import Attempt, ClientConfig, ClientRequest, Outcome
 from kvserve.sim.costmodel import CostProfile
 from kvserve.sim.events import EventQueue, Priority
@@ -96,16 +94,16 @@ class FleetSimulator:
                                            config.worker.num_blocks * config.worker.block_size)
         self.gateway = SimGateway(policy, ids)
         bp = config.backpressure
-        self.latency = (LatencyLimit(bp.max_in_flight, floor=min(len(ids), bp.max_in_flight))
-                        if bp is not None and bp.latency_limit else None)
+        latency = (LatencyLimit(bp.max_in_flight, floor=min(len(ids), bp.max_in_flight))
+                   if bp is not None and bp.latency_limit else None)
+        # The gateway's own admission, on the simulated clock (None: admit everything).
+        self.admission = (AdmissionCore(bp.limits(), latency=latency,
+                                        clock=lambda: self.events.now)
+                          if bp is not None else None)
         self.clients: list[ClientRequest] = []
         self.timeline: list[TimelineSample] = []
         self._attempt_of: dict[str, Attempt] = {}
-        # Waiting for an admission slot, by (seniority, arrival); lazy removal.
-        self._queue: list[tuple[float, int, Attempt]] = []
-        self._queue_seq = itertools.count()
-        self._num_queued = 0
-        self.answer_times = AnswerTimes()  # admission to first token, as the gateway keeps
+        self._queued: dict[Ticket, Attempt] = {}  # waiting for an admission slot
         self._arrivals: Iterator[ClientRequest] = iter(())
         self._num_done = 0
         self._progress: Progress | None = None
@@ -171,17 +169,20 @@ class FleetSimulator:
         if timeout is not None:
             self.events.push(now + timeout, Priority.CLIENT,
                              lambda t: self._on_timeout(attempt, t))
-        bp = self.config.backpressure
-        if bp is None or self.gateway.num_in_flight < self._admission_limit():
+        admission = self.admission
+        if admission is None:
             self._dispatch(attempt, now)
-        elif self._num_queued < bp.max_queued:
-            attempt.is_queued = True
-            self._num_queued += 1
-            rank = attempt.request.arrival if bp.seniority else now
-            heapq.heappush(self._queue, (rank, next(self._queue_seq), attempt))
-            wait_s, _ = max_queue_wait(timeout, self.answer_times.recent_s(),
-                                       bp.queue_timeout_s, bp.max_queue_wait_s)
-            self.events.push(now + wait_s, Priority.CLIENT,
+            return
+        bp = self.config.backpressure
+        assert bp is not None
+        ticket = admission.arrive(None if timeout is None else now + timeout,
+                                  client.arrival if bp.seniority else now)
+        attempt.ticket = ticket
+        if ticket.state is TicketState.ADMITTED:
+            self._dispatch(attempt, now)
+        elif ticket.state is TicketState.QUEUED:
+            self._queued[ticket] = attempt
+            self.events.push(ticket.expires_at, Priority.CLIENT,
                              lambda t: self._on_queue_timeout(attempt, t))
         else:
             self._throttle(attempt, now)
@@ -191,7 +192,6 @@ class FleetSimulator:
         bp = self.config.backpressure
         assert bp is not None
         attempt.is_over = True
-        self._leave_queue(attempt)
         client = attempt.request
         client.num_throttled += 1
         self.gateway.num_throttled += 1
@@ -199,29 +199,15 @@ class FleetSimulator:
                          lambda t: self._send(client, t))
 
     def _on_queue_timeout(self, attempt: Attempt, now: float) -> None:
-        if attempt.is_queued and not attempt.is_over:
+        assert self.admission is not None and attempt.ticket is not None
+        if not attempt.is_over and self.admission.expire(attempt.ticket):
+            del self._queued[attempt.ticket]
             self._throttle(attempt, now)
 
-    def _pump_queue(self, now: float) -> None:
-        bp = self.config.backpressure
-        if bp is None:
-            return
-        while self._queue and self.gateway.num_in_flight < self._admission_limit():
-            attempt = heapq.heappop(self._queue)[2]
-            if attempt.is_queued and not attempt.is_over:
-                self._leave_queue(attempt)
-                self._dispatch(attempt, now)
-
-    def _admission_limit(self) -> int:
-        bp = self.config.backpressure
-        assert bp is not None
-        return bp.max_in_flight if self.latency is None else min(bp.max_in_flight,
-                                                                 self.latency.limit)
-
-    def _leave_queue(self, attempt: Attempt) -> None:
-        if attempt.is_queued:
-            attempt.is_queued = False
-            self._num_queued -= 1
+    def _start(self, admitted: list[Ticket], now: float) -> None:
+        """Dispatch the queued attempts admission just let in."""
+        for ticket in admitted:
+            self._dispatch(self._queued.pop(ticket), now)
 
     def _dispatch(self, attempt: Attempt, now: float) -> None:
         client = attempt.request
@@ -232,41 +218,43 @@ class FleetSimulator:
                      max(1, trace.output_length), trace.tenant)
         attempt.seq, attempt.worker_id = seq, worker_id
         attempt.dispatched_at = now
-        if self.latency is not None:
-            attempt.generation = self.latency.generation
         self._attempt_of[seq.seq_id] = attempt
         if not self.workers[worker_id].submit(seq, now):
             del self._attempt_of[seq.seq_id]
             attempt.is_over = True
-            self._release(attempt)
+            self._release(attempt, now)
             self._complete(client, Outcome.REJECTED, now)
-            self._pump_queue(now)
 
     def _on_timeout(self, attempt: Attempt, now: float) -> None:
         client = attempt.request
         if attempt.is_over or client.first_token_at is not None:
             return
         attempt.is_over = True
-        if attempt.is_queued:
-            self._leave_queue(attempt)
-        elif attempt.seq is not None and attempt.worker_id is not None:
+        if attempt.seq is None:  # still queued for admission
+            assert self.admission is not None and attempt.ticket is not None
+            del self._queued[attempt.ticket]
+            self.admission.leave(attempt.ticket)
+        elif attempt.worker_id is not None:
             del self._attempt_of[attempt.seq.seq_id]
-            self.answer_times.add(now - attempt.dispatched_at)  # at least that long
-            if self.latency is not None:  # gave up after admission: the fleet is too slow
-                self.latency.on_late(attempt.generation, self.gateway.num_in_flight)
+            if self.admission is not None and attempt.ticket is not None:
+                # gave up after admission: the fleet answers too slowly for it
+                self.admission.gave_up(attempt.ticket, now - attempt.dispatched_at)
             self.workers[attempt.worker_id].abort(attempt.seq, now)
-            self._release(attempt)
-            self._pump_queue(now)
+            self._release(attempt, now)
         if client.num_retries < self.config.client.max_retries:
             client.num_retries += 1
             self._send(client, now)
         else:
             self._complete(client, Outcome.GAVE_UP, now)
 
-    def _release(self, attempt: Attempt) -> None:
+    def _release(self, attempt: Attempt, now: float) -> None:
+        """The attempt's upstream request ended: the gateway's counts, and its admission slot
+        (which may let queued attempts in)."""
         assert attempt.worker_id is not None
         self.gateway.release(attempt.worker_id, attempt.backlog_tokens)
         attempt.backlog_tokens = 0
+        if self.admission is not None and attempt.ticket is not None:
+            self._start(self.admission.release(attempt.ticket), now)
 
     def _overhead_s(self, client: ClientRequest) -> float:
         return self.config.profile.request_overhead_s(client.trace.input_length)
@@ -287,30 +275,27 @@ class FleetSimulator:
             attempt.backlog_tokens = 0
         if attempt is not None and attempt.request.first_token_at is None:
             # What the client sees also includes the API path (the profile's request overhead).
-            attempt.request.first_token_at = now + self._overhead_s(attempt.request)
-            self.answer_times.add(attempt.request.first_token_at - attempt.dispatched_at)
-            if self.latency is not None:
-                self._first_byte(attempt, attempt.request.first_token_at)
+            at = now + self._overhead_s(attempt.request)
+            attempt.request.first_token_at = at
+            if self.admission is not None and attempt.ticket is not None:
+                self._first_byte(attempt, at)
 
     def _first_byte(self, attempt: Attempt, at: float) -> None:
-        """Tell the latency limit, judged as the gateway judges (`latency_limit.is_late`)."""
-        assert self.latency is not None
+        """Tell admission, judged as the gateway judges (`latency_limit.is_late`)."""
+        assert self.admission is not None and attempt.ticket is not None
         timeout = self.config.client.ttft_timeout_s
         left = None if timeout is None else attempt.sent_at + timeout - attempt.dispatched_at
-        if is_late(at - attempt.dispatched_at, left):
-            self.latency.on_late(attempt.generation, self.gateway.num_in_flight)
-        else:
-            self.latency.on_time(self.gateway.num_in_flight)
-            self._pump_queue(at)
+        late = is_late(at - attempt.dispatched_at, left)
+        self._start(self.admission.first_byte(attempt.ticket, late, at - attempt.dispatched_at),
+                    at)
 
     def on_finish(self, seq: SimSeq, now: float) -> None:
         attempt = self._attempt_of.pop(seq.seq_id, None)
         if attempt is None:
             return  # cancelled by the client while its last step ran; already let go
         attempt.is_over = True
-        self._release(attempt)
+        self._release(attempt, now)
         client = attempt.request
         client.finished_at = now + self._overhead_s(client)
         client.num_cached_tokens = max(seq.num_cached, 0)
         self._complete(client, Outcome.OK, now)
-        self._pump_queue(now)

@@ -6,16 +6,10 @@ so is the prefill backlog (prompt tokens sent and not yet answered with a first 
 the policy expected cached: gateway.forward keeps the same count); `num_running`, `num_waiting`
 and `kv_usage` come from the last scrape of the workers' metrics, so they are up to one scrape
 interval stale, as in production (gateway.scraper).
-Admission mirrors gateway.admission: at most `max_in_flight` requests upstream fleet-wide, up to
-`max_queued` waiting for a slot for at most `queue_timeout_s` (a client with a TTFT timeout says
-it, as the OpenAI SDKs do, and waits by the gateway's rule, `gateway.queue_wait`, from the
-times admitted requests took to their first token); past either limit, 429 with Retry-After.
-With `latency_limit` (the gateway's default) the limit is also at most the gateway's own AIMD
-limit (gateway.latency_limit, the same object), cut by first tokens later than 3/4 of the
-clients' timeout and by clients that time out after admission. With `seniority` (the
-gateway's behaviour) the queue is ordered by when each request was first sent, so a resend
-after a 429 or a timeout goes ahead of younger requests (gateway.seniority); without it, by
-when each attempt arrived.
+Admission is the gateway's own state machine (`gateway.admission_core`), driven from the
+simulated clock: the same limits, queue order, waits and refusals, the same AIMD latency limit
+with `latency_limit` (the gateway's default), and with `seniority` (also the gateway's default)
+a resend queued by when its request was first sent.
 """
 
 from __future__ import annotations
@@ -23,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvserve.gateway.admission_core import AdmissionLimits
 from kvserve.gateway.policies import RouteRequest, RoutingPolicy, WorkerView
 from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
 
@@ -34,18 +29,17 @@ class Backpressure:
     max_in_flight: int = 256
     max_queued: int = 512
     queue_timeout_s: float = 1.0
-    retry_after_s: float = 1.0
+    retry_after_s: int = 1
     latency_limit: bool = True
     seniority: bool = True
     max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
 
     def __post_init__(self) -> None:
-        if (self.max_in_flight < 1 or self.max_queued < 0 or self.queue_timeout_s < 0
-                or self.max_queue_wait_s < 0):
-            raise ValueError("max_in_flight >= 1, max_queued >= 0, queue_timeout_s >= 0 and "
-                             "max_queue_wait_s >= 0")
-        if self.retry_after_s <= 0:
-            raise ValueError("retry_after_s must be positive")
+        self.limits()  # checks the bounds
+
+    def limits(self) -> AdmissionLimits:
+        return AdmissionLimits(self.max_in_flight, self.max_queued, self.queue_timeout_s,
+                               self.max_queue_wait_s, self.retry_after_s)
 
 
 @dataclass(frozen=True, slots=True)

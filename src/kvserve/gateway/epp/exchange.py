@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvserve.client_timeout import BadTimeout, client_timeout_s, refusals_spend_retries
-from kvserve.gateway.admission import Saturated
+from kvserve.gateway.admission import Saturated, Slot
 from kvserve.gateway.epp import protocol
 from kvserve.gateway.epp.endpoints import Endpoints
-from kvserve.gateway.epp.slot import Slot, admit
 from kvserve.gateway.fleet import Fleet
 from kvserve.gateway.forward import ADMIN_KEY_HEADER, PREFILL_URL_HEADER
 from kvserve.gateway.latency_limit import is_late
@@ -67,6 +66,7 @@ class Exchange:
         self.subset: list[str] | None = None
         self.decided = False
         self.slot: Slot | None = None
+        self.admitted = 0.0  # when admission let it through
         self.timeout_s: float | None = None
         self.route: RouteRequest | None = None
         self.decision: RouteDecision | None = None
@@ -187,8 +187,9 @@ class Exchange:
         deadline = None if self.timeout_s is None else self.started + self.timeout_s
         try:
             # An SDK client counts a 429 as one of its few retries: it waits its turn.
-            self.slot = await admit(fleet.admission, deadline, since,
-                                    refuse_on_arrival=not refusals_spend_retries(self.headers))
+            self.slot = await fleet.admission.admit(
+                deadline, since, refuse_on_arrival=not refusals_spend_retries(self.headers))
+            self.admitted = time.monotonic()
         except Saturated as exc:
             fleet.metrics.rejections.labels(exc.reason).inc()
             return [protocol.immediate(429, f"the fleet is saturated ({exc.reason}); retry "
@@ -217,7 +218,6 @@ class Exchange:
         """Count the request on its pick now, as the proxy does when it sends: a burst of one
         prefix arriving meanwhile must see where it went."""
         fleet = self.picker.fleet
-        fleet.budget.on_request(now)
         self.route, self.decision = route, decision
         self.worker_url = decision.worker_id
         worker = fleet.pool.get(decision.worker_id)
@@ -273,7 +273,7 @@ class Exchange:
             return
         self.answered = True
         now = time.monotonic()
-        admitted = self.slot.admitted
+        admitted = self.admitted
         left = None if self.timeout_s is None else self.started + self.timeout_s - admitted
         self.slot.first_byte(is_late(now - admitted, left, self.picker.ttft_target_s),
                              now - admitted)
@@ -294,5 +294,5 @@ class Exchange:
                 worker.abandoned += 1
         if self.slot is not None:
             if not self.answered:
-                self.slot.gave_up(time.monotonic() - self.slot.admitted)
+                self.slot.gave_up(time.monotonic() - self.admitted)
             self.slot.release()

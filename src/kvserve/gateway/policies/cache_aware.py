@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvserve.gateway.policies.base import (
@@ -14,7 +13,7 @@ from kvserve.gateway.policies.base import (
 )
 from kvserve.gateway.policies.block_index import BlockIndex
 from kvserve.gateway.policies.prefix_hash import PrefixHashPolicy
-from kvserve.gateway.policies.rendezvous import DEFAULT_PREFIX_BLOCKS, rendezvous_key
+from kvserve.gateway.policies.rendezvous import DEFAULT_PREFIX_BLOCKS
 from kvserve.gateway.policies.scoring import (
     DEFAULT_BACKLOG_WEIGHT,
     DEFAULT_BLOCK_CREDIT,
@@ -24,14 +23,6 @@ from kvserve.gateway.policies.scoring import (
     score_route,
 )
 
-DEFAULT_HOME_WEIGHT = 0.0
-"""A prefix nobody holds any more (forgotten with its worker's capacity) gets this much credit,
-in requests of load, on the worker it was last sent to: with every cache full, moving a tenant
-only evicts another one elsewhere. Off by default."""
-
-MAX_HOMES = 65_536
-"""Prefix keys whose last worker is remembered (32-byte keys: about 6 MiB)."""
-
 COLD_PLACEMENTS = ("rendezvous", "footprint")
 """Where `cache_aware` sends a prefix its index holds on no worker. `rendezvous` (the default):
 `prefix_hash`'s choice, the first worker in the prefix's rendezvous order under the load bound,
@@ -39,10 +30,10 @@ passing over one whose index is full while another has room; every gateway repli
 alike, so replicas that each learn only their own traffic still place a tenant on one worker.
 `footprint`: the emptiest index, load and prefill backlog weighed in; only this gateway knows
 its index, so replicas place a tenant apart, while one gateway keeps cold prefills apart
-(`kvserve up`, one gateway by construction, places by footprint; docs/benchmarks.md).
-`footprint_weight` and `home_weight` weigh only in `footprint` placement."""
+(docs/operations.md says when to choose it). `footprint_weight` weighs only in `footprint`
+placement."""
 
-DEFAULT_MAX_BLOCKS_PER_WORKER = 65_536
+MAX_BLOCKS_PER_WORKER = 65_536
 """About 4M tokens of character blocks per worker, ~2 MiB of hashes: a cap on memory. The index
 should forget about when the worker does, so a worker whose KV capacity is known
 (`set_worker_capacity`, from its /metrics) is indexed in at most that many tokens of blocks."""
@@ -64,40 +55,24 @@ class CacheAwarePolicy:
     def __init__(
         self,
         *,
-        max_blocks_per_worker: int = DEFAULT_MAX_BLOCKS_PER_WORKER,
         block_credit: float = DEFAULT_BLOCK_CREDIT,
         load_weight: float = DEFAULT_LOAD_WEIGHT,
-        prefix_blocks: int = DEFAULT_PREFIX_BLOCKS,
         footprint_weight: float = DEFAULT_FOOTPRINT_WEIGHT,
         backlog_weight: float = DEFAULT_BACKLOG_WEIGHT,
-        use_worker_capacity: bool = True,
-        home_weight: float = DEFAULT_HOME_WEIGHT,
         cold_placement: str = "rendezvous",
     ) -> None:
+        """docs/operations.md ("Routing and admission options") says what each option does
+        and its measured effect."""
         if cold_placement not in COLD_PLACEMENTS:
             raise ValueError(f"cold_placement must be one of {', '.join(COLD_PLACEMENTS)}, "
                              f"got {cold_placement!r}")
         self.cold_placement = cold_placement
-        self._rendezvous = PrefixHashPolicy(prefix_blocks=prefix_blocks)
+        self._rendezvous = PrefixHashPolicy()
         check_weights(block_credit, load_weight, footprint_weight, backlog_weight)
-        if not 0.0 <= home_weight < float("inf"):
-            raise ValueError(f"home_weight must be >= 0 and finite, got {home_weight}")
-        if home_weight and cold_placement != "footprint":
-            raise ValueError("home_weight weighs only where a new prefix goes by footprint: "
-                             "add cold_placement=footprint, or leave home_weight out")
-        self.use_worker_capacity = use_worker_capacity
-        self.home_weight = home_weight
-        self._homes: OrderedDict[bytes, str] = OrderedDict()
         self.backlog_weight = backlog_weight
         self.footprint_weight = footprint_weight
-        if max_blocks_per_worker < 1:
-            raise ValueError(f"max_blocks_per_worker must be >= 1, got {max_blocks_per_worker}")
-        if prefix_blocks < 1:
-            raise ValueError(f"prefix_blocks must be >= 1, got {prefix_blocks}")
-        self.max_blocks_per_worker = max_blocks_per_worker
         self.block_credit = block_credit
         self.load_weight = load_weight
-        self.prefix_blocks = prefix_blocks
         self._indexes: dict[str, BlockIndex] = {}
         self._capacity_tokens: dict[str, int] = {}
 
@@ -109,13 +84,11 @@ class CacheAwarePolicy:
             lambda worker_id: self._num_matched(worker_id, request.prefix_hashes),
             block_credit=self.block_credit,
             load_weight=self.load_weight,
-            prefix_blocks=self.prefix_blocks,
+            prefix_blocks=DEFAULT_PREFIX_BLOCKS,
             hit_branch=Branch.AFFINITY,
             footprint=self.index_size,
             footprint_weight=self.footprint_weight,
             backlog_weight=self.backlog_weight,
-            home_of=self._homes.get,
-            home_weight=self.home_weight,
             place_cold=self._place_by_rendezvous if self.replica_safe else None,
         )
 
@@ -149,13 +122,6 @@ class CacheAwarePolicy:
         elif index.capacity != capacity:
             index.resize(capacity)
         index.touch_chain(request.prefix_hashes)
-        if self.home_weight:
-            homes = self._homes
-            key = rendezvous_key(request.tenant, request.prefix_hashes, self.prefix_blocks)
-            homes[key] = worker_id
-            homes.move_to_end(key)
-            if len(homes) > MAX_HOMES:
-                homes.popitem(last=False)
 
     def set_worker_capacity(self, worker_id: str, kv_tokens: int) -> None:
         """The worker's KV cache holds `kv_tokens` tokens (its `vllm:cache_config_info`): from
@@ -173,15 +139,15 @@ class CacheAwarePolicy:
         self._indexes.pop(worker_id, None)
 
     def index_size(self, worker_id: str) -> int:
-        """Blocks indexed for a worker (never above `max_blocks_per_worker`)."""
+        """Blocks indexed for a worker (never above MAX_BLOCKS_PER_WORKER)."""
         index = self._indexes.get(worker_id)
         return len(index) if index is not None else 0
 
     def _capacity_blocks(self, worker_id: str, block_tokens: int) -> int:
         kv_tokens = self._capacity_tokens.get(worker_id)
-        if kv_tokens is None or not self.use_worker_capacity:
-            return self.max_blocks_per_worker
-        return max(1, min(self.max_blocks_per_worker, kv_tokens // block_tokens))
+        if kv_tokens is None:
+            return MAX_BLOCKS_PER_WORKER
+        return max(1, min(MAX_BLOCKS_PER_WORKER, kv_tokens // block_tokens))
 
     def _num_matched(self, worker_id: str, prefix_hashes: Sequence[bytes]) -> int:
         index = self._indexes.get(worker_id)

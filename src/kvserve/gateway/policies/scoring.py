@@ -81,19 +81,15 @@ def score_route(
     footprint: Callable[[str], int] | None = None,
     footprint_weight: float = 0.0,
     backlog_weight: float = 0.0,
-    home_of: Callable[[bytes], str | None] | None = None,
-    home_weight: float = 0.0,
     place_cold: Callable[[RouteRequest, Sequence[WorkerView]], RouteDecision] | None = None,
 ) -> RouteDecision:
     """Rank healthy workers by score (ties in the prefix's rendezvous order, so a prefix nobody
     caches lands where `prefix_hash` would put it) and choose the best. Branch: `hit_branch`
     when the chosen worker holds the longest cached prefix, SPILL when another holds more,
     LEAST_LOAD when none holds any. `num_matched(worker_id)` and `footprint(worker_id)` (blocks
-    the policy believes the worker caches) must not change any index. `home_of(key)`: the
-    worker the prefix's key (its rendezvous key) was last sent to, if the policy remembers;
-    when nobody holds any of the prefix, that worker gets `home_weight` (in requests of load).
-    `place_cold`: when given, it chooses for a prefix nobody holds (branch LEAST_LOAD, no
-    predicted hit) instead of the footprint and load terms."""
+    the policy believes the worker caches) must not change any index. `place_cold`: when given,
+    it chooses for a prefix nobody holds (branch LEAST_LOAD, no predicted hit) instead of the
+    footprint and load terms."""
     # Invariant: the choice maximises the one continuous score; no branch is a separate rule
     # (but for a prefix nobody holds, when the caller places it: `place_cold`).
     key = rendezvous_key(request.tenant, request.prefix_hashes, prefix_blocks)
@@ -106,7 +102,6 @@ def score_route(
     sizes = {w.worker_id: footprint(w.worker_id) if footprint and best == 0 else 0
              for w in order}
     fullest = max(sizes.values(), default=0) or 1
-    home = home_of(key) if home_of is not None and best == 0 and home_weight else None
 
     backlog_per_token = backlog_weight * block_credit / request.block_tokens  # a cached token's
 
@@ -114,8 +109,7 @@ def score_route(
         wid = worker.worker_id
         return (matched[wid] * block_credit - load_weight * worker.load
                 - backlog_per_token * worker.prefill_backlog_tokens
-                - footprint_weight * sizes[wid] / fullest
-                + (home_weight if wid == home else 0.0))
+                - footprint_weight * sizes[wid] / fullest)
 
     ranked = sorted(order, key=score, reverse=True)  # stable: ties keep the rendezvous order
     chosen = ranked[0].worker_id
