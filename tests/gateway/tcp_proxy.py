@@ -61,6 +61,7 @@ class FaultyProxy:
         self.url = f"http://127.0.0.1:{self.port}"
         self.num_faults_fired = 0
         self._armed: Fault | None = None
+        self._armed_for: tuple[bytes, ...] = (b"POST ", b"GET ")
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -68,9 +69,12 @@ class FaultyProxy:
         self._thread.start()
         self._ready.wait(10.0)
 
-    def arm(self, fault: Fault | None) -> None:
+    def arm(self, fault: Fault | None, methods: tuple[str, ...] = ("POST", "GET")) -> None:
+        """`fault` for the next request of one of `methods` (POST only: a gateway's scrapes,
+        which are GETs, pass unharmed)."""
         with self._lock:
             self._armed = fault
+            self._armed_for = tuple(f"{m} ".encode() for m in methods)
 
     def close(self) -> None:
         async def shut() -> None:
@@ -109,7 +113,9 @@ class FaultyProxy:
             while not done.is_set() and (data := await client_r.read(65536)):
                 if data.startswith((b"POST ", b"GET ")):
                     with self._lock:
-                        fault, self._armed = self._armed, None
+                        fault = self._armed if data.startswith(self._armed_for) else None
+                        if fault is not None:
+                            self._armed = None
                     exchange.fault, exchange.sent, exchange.received = fault, 0, 0
                     exchange.flipped = exchange.stalled = False
                 fault = exchange.fault

@@ -90,6 +90,7 @@ def simulate(bp: Backpressure) -> Log:
     sim = FleetSimulator(config, load_workload("multi-tenant", spec=spec))
     assert sim.admission is not None
     recording = RecordingCore(sim.admission.limits, latency=sim.admission.latency,
+                              latency_applies=sim.admission.latency_applies,
                               clock=sim.admission.clock)
     recording.log = Log()
     sim.admission = recording
@@ -164,7 +165,7 @@ def replay(log: Log, bp: Backpressure, workers: int) -> list[tuple]:
 
 
 def test_the_simulator_and_the_proxy_give_identical_verdicts() -> None:
-    bp = Backpressure(max_in_flight=8, max_queued=6)
+    bp = Backpressure(max_in_flight=8, max_queued=6, declared_batch=False)  # latency limit on
     log = simulate(bp)
     kinds = {v[1] for v in log.verdicts}
     assert {"admitted", "queue full", "queue timeout"} <= kinds, kinds  # a real overload

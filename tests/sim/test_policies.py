@@ -75,11 +75,14 @@ def _storm(backpressure: Backpressure) -> SimResult:
 
 
 def test_the_latency_limit_holds_back_what_the_workers_cannot_answer_in_time() -> None:
+    kvserve_workers = _storm(Backpressure())  # they declare their batch: the limit stays off
+    assert kvserve_workers.audit_ok
+    assert kvserve_workers.num_ok == _storm(Backpressure(latency_limit=False)).num_ok
     # The gateway knows no batch size (a vLLM fleet before a scrape saw it full): 256 may go
     # upstream, so without the latency limit the workers queue what they cannot start before
     # the clients' 5 s timeout, and those time out after admission and resend.
-    slots_only = _storm(Backpressure(latency_limit=False))
-    limited = _storm(Backpressure())
+    slots_only = _storm(Backpressure(latency_limit=False, declared_batch=False))
+    limited = _storm(Backpressure(declared_batch=False))
     assert slots_only.audit_ok and limited.audit_ok
     assert limited.num_retries * 2 < slots_only.num_retries
     assert limited.num_gave_up * 4 < slots_only.num_gave_up
@@ -90,8 +93,8 @@ def test_the_latency_limit_holds_back_what_the_workers_cannot_answer_in_time() -
 def test_resends_that_keep_their_place_shorten_the_tail_and_lose_nothing() -> None:
     # The storm above, with the latency limit: the gateway queues each resend in the place of
     # its first send (gateway.seniority), or, without seniority, behind every younger request.
-    by_arrival = _storm(Backpressure(seniority=False))
-    by_first_send = _storm(Backpressure())
+    by_arrival = _storm(Backpressure(seniority=False, declared_batch=False))
+    by_first_send = _storm(Backpressure(declared_batch=False))
     assert by_arrival.audit_ok and by_first_send.audit_ok
     assert by_first_send.num_ok == by_first_send.num_requests > by_arrival.num_ok
     assert by_first_send.num_retries * 2 < by_arrival.num_retries

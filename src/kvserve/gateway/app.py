@@ -80,6 +80,7 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
     pool, policy, metrics, client = fleet.pool, fleet.policy, fleet.metrics, fleet.client
     capacity, keys, foreign, subscriber = (fleet.capacity, fleet.keys, fleet.foreign,
                                            fleet.subscriber)
+    discovery = fleet.discovery
     event_sources = dict(settings.worker_kv_events)
     disagg = None
     if settings.is_disaggregated:
@@ -103,8 +104,8 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        for worker in pool.workers.values():
-            if worker.healthy:
+        for worker in list(pool.workers.values()):  # the fleet may change while we wait
+            if worker.healthy and not worker.draining:
                 try:
                     answer = await client.get(f"{worker.url}/v1/models", timeout=5.0)
                 except httpx.HTTPError:
@@ -118,8 +119,10 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
         now = time.monotonic()
         healthy = sum(1 for v in pool.views(now) if v.healthy)
         status = 200 if healthy else 503
+        draining = sum(1 for w in pool.workers.values() if w.draining)
         return JSONResponse({"status": "ok" if healthy else "no healthy worker",
-                             "healthy_workers": healthy, "workers": len(pool.workers)}, status)
+                             "healthy_workers": healthy, "workers": len(pool.workers) - draining,
+                             "draining_workers": draining}, status)
 
     @app.get("/metrics")
     async def prometheus(request: Request) -> Response:
@@ -141,8 +144,13 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                 "mode": "disaggregated" if disagg is not None else "unified",
                 "shared_workers": {"detected": foreign.shared, "foreign_share": foreign.share,
                                    "replica_safe": policy.replica_safe},
-                "text_keys": text_keys, "workers": [
+                "text_keys": text_keys,
+                "discovery": ({"discovered": discovery.discovered, "errors": discovery.errors,
+                               "interval_s": discovery.interval_s}
+                              if discovery is not None else None),
+                "workers": [
             {"url": w.url, "role": w.role, "healthy": w.view(now).healthy,
+             "draining": w.draining,
              "in_flight": w.in_flight, "prefill_backlog_tokens": w.prefill_backlog_tokens,
              "num_running": w.num_running, "num_waiting": w.num_waiting,
              "foreign_requests": w.foreign,

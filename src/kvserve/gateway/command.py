@@ -17,6 +17,7 @@ import uvicorn
 from rich.console import Console
 
 from kvserve.gateway.app import GatewaySettings, create_gateway
+from kvserve.gateway.discovery import DEFAULT_INTERVAL_S
 from kvserve.gateway.kv_events import DEFAULT_MIN_POLL_INTERVAL_S
 from kvserve.gateway.policies import POLICY_NAMES, make_policy, parse_policy_options
 from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
@@ -106,6 +107,23 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                         "them with the same --metrics-key; env KVSERVE_METRICS_KEY)")
 
 
+def add_discovery_arguments(p: argparse.ArgumentParser) -> None:
+    """Workers found without a restart, for `kvserve gateway` and `kvserve epp` alike."""
+    p.add_argument("--worker-dns", action="append", default=[], metavar="NAME:PORT",
+                   help="workers by DNS (repeatable): every A/AAAA address of NAME is a worker "
+                        "http://IP:PORT (a Kubernetes headless Service), re-resolved every "
+                        "--discovery-interval; a failed lookup keeps the last known addresses")
+    p.add_argument("--workers-file", default=None, metavar="PATH",
+                   help="workers from a file, one URL per line ('#' comments), re-read when it "
+                        "changes (a mounted ConfigMap); a bad version keeps the last good one. "
+                        "With --worker and --worker-dns the fleet is the union; a worker that "
+                        "leaves finishes its requests in flight and gets no new one. Discovered "
+                        "workers' KV events are long-polled (/kv/events), never followed over "
+                        "ZMQ (--worker-kv-events names static --worker URLs only)")
+    p.add_argument("--discovery-interval", type=float, default=DEFAULT_INTERVAL_S, metavar="S",
+                   help="seconds between two reads of --worker-dns and --workers-file")
+
+
 def tenancy_from(args: argparse.Namespace) -> Tenancy:
     """The tenancy the flags ask for; a gateway given no salt secret makes one (and says so)
     unless it is one of several replicas, which must agree. Raises ValueError saying what to
@@ -158,6 +176,9 @@ def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] |
         events_min_interval_s=args.kv_events_min_interval,
         worker_kv_events=tuple(EventSource.parse(spec)
                                for spec in getattr(args, "worker_kv_events", [])),
+        worker_dns=tuple(getattr(args, "worker_dns", [])),
+        workers_file=getattr(args, "workers_file", None),
+        discovery_interval_s=getattr(args, "discovery_interval", DEFAULT_INTERVAL_S),
     )
 
 
@@ -165,6 +186,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     g = sub.add_parser("gateway", help="cache-aware gateway in front of OpenAI-compatible workers")
     g.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="a worker's base URL (repeatable): kvserve, vLLM or SGLang")
+    add_discovery_arguments(g)
     g.add_argument("--worker-kv-events", action="append", default=[],
                    metavar="URL=ENDPOINT[,replay=ENDPOINT][,topic=T][,dp=N]",
                    help="`precise`: follow this --worker's KV events over ZMQ (vLLM's "
@@ -198,8 +220,10 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 def run_gateway(args: argparse.Namespace) -> int:
-    if not args.worker and not (args.prefill_worker or args.decode_worker):
-        Console(stderr=True).print("[red]give --worker URL (repeatable), or --prefill-worker "
+    if not (args.worker or args.worker_dns or args.workers_file or args.prefill_worker
+            or args.decode_worker):
+        Console(stderr=True).print("[red]give --worker URL (repeatable), --worker-dns "
+                                   "NAME:PORT or --workers-file PATH, or --prefill-worker "
                                    "and --decode-worker URLs for disaggregated mode[/]")
         return 2
     try:
@@ -211,6 +235,8 @@ def run_gateway(args: argparse.Namespace) -> int:
     Console(stderr=True).print(f"[green]kvserve gateway[/] ({args.policy}) at "
                                f"http://{args.host}:{args.port} → "
                                f"{', '.join(args.worker + args.prefill_worker)}"
+                               + "".join(f" + DNS {name}" for name in args.worker_dns)
+                               + (f" + file {args.workers_file}" if args.workers_file else "")
                                + (f" (decode: {', '.join(args.decode_worker)})"
                                   if args.decode_worker else ""),
                                soft_wrap=True)

@@ -7,13 +7,14 @@ whichever front end sees it."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import httpx
 from tokenizers import Tokenizer
 
 from kvserve.gateway.admission import Admission
+from kvserve.gateway.discovery import DiscoveryCollector, DnsName, WorkerDiscovery
 from kvserve.gateway.foreign_load import ForeignLoad
 from kvserve.gateway.kv_events import EventFollower
 from kvserve.gateway.latency_limit import LatencyLimit
@@ -49,6 +50,7 @@ class Fleet:
     capacity: TextCapacity | None
     follower: EventFollower | None
     subscriber: ZmqEventFollower | None
+    discovery: WorkerDiscovery | None
     on_scraped: list[Callable[[], None]] = field(default_factory=list)
 
     def scraped(self) -> None:
@@ -56,15 +58,28 @@ class Fleet:
         for callback in self.on_scraped:
             callback()
 
-    async def start(self) -> None:
-        workers = list(self.settings.workers)
-        await self.scraper.scrape_once()
-        self.scraper.start()
-        await self.keys.resolve(self.client, workers)
-        if self.capacity is not None and self.keys.keyer is None:  # text keys: chars per token
-            root = await workers_model_dir(self.client, workers)
+    async def learn(self, urls: list[str]) -> None:
+        """What is read from workers once: the tokenizer for exact keys, and for text keys the
+        one that measures characters per token (from the first that has it)."""
+        await self.keys.resolve(self.client, urls)
+        if (self.capacity is not None and self.keys.keyer is None
+                and self.capacity.tokenizer is None):
+            root = await workers_model_dir(self.client, urls)
             if root is not None:
                 self.capacity.tokenizer = Tokenizer.from_file(str(root / "tokenizer.json"))
+
+    async def discovered(self, urls: Sequence[str]) -> None:
+        await self.scraper.scrape_workers(urls)
+        await self.learn(list(urls))
+
+    async def start(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.refresh_once()  # its workers are scraped with the rest below
+            self.discovery.on_added = self.discovered  # from now on, each as it appears
+            self.discovery.start()
+        await self.scraper.scrape_once()
+        self.scraper.start()
+        await self.learn(list(self.pool.workers))
         if self.subscriber is not None:
             self.subscriber.start()
             await self.subscriber.wait_subscribed(5.0)
@@ -77,6 +92,8 @@ class Fleet:
             await self.follower.stop()
         if self.subscriber is not None:
             await self.subscriber.stop()
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.scraper.stop()
         await self.client.aclose()
         await self.upstream_client.aclose()
@@ -95,7 +112,16 @@ def build_fleet(settings: GatewaySettings,
                 on_shared: Callable[[bool, RoutingPolicy, ForeignLoad], None] | None = None
                 ) -> Fleet:
     """The parts `settings` ask for; raises ValueError saying which flags disagree."""
-    pool = WorkerPool(list(settings.workers))
+    if settings.is_discovering and settings.is_disaggregated:
+        raise ValueError("--worker-dns and --workers-file discover unified workers; "
+                         "disaggregated mode takes its --prefill-worker and --decode-worker "
+                         "URLs as given: drop one or the other")
+    pool = WorkerPool(list(settings.workers), allow_empty=settings.is_discovering)
+    discovery = (WorkerDiscovery(pool, settings.workers,
+                                 [DnsName.from_spec(spec) for spec in settings.worker_dns],
+                                 settings.workers_file, settings.discovery_interval_s)
+                 if settings.is_discovering else None)
+    num_workers = len(discovery.fleet()) if discovery is not None else len(settings.workers)
     policy = make_policy(settings.policy, **dict(settings.policy_options))
     event_sources = dict(settings.worker_kv_events)
     if event_sources and not isinstance(policy, PrecisePolicy):
@@ -106,7 +132,7 @@ def build_fleet(settings: GatewaySettings,
         raise ValueError(f"--worker-kv-events names {', '.join(unknown)}, which is not a "
                          "--worker; give the same URL to both")
     latency = (LatencyLimit(settings.max_in_flight,
-                            floor=min(len(settings.workers), settings.max_in_flight))
+                            floor=max(1, min(num_workers, settings.max_in_flight)))
                if settings.latency_limit else None)
     admission = Admission(settings.max_in_flight, settings.max_queued, settings.queue_timeout_s,
                           max_queue_wait_s=settings.max_queue_wait_s,
@@ -144,7 +170,16 @@ def build_fleet(settings: GatewaySettings,
         subscriber = ZmqEventFollower(event_sources, policy,
                                       lambda url: served_model_id(client, url),
                                       block_size=settings.block_size)
+    # Whatever keeps state per worker follows the fleet as workers come and go.
+    pool.on_forgotten += [policy.remove_worker, metrics.forget_worker, scraper.forget]
+    if capacity is not None:
+        pool.on_forgotten.append(capacity.forget)
+    if follower is not None:
+        pool.on_added.append(follower.follow)
+        pool.on_forgotten.append(follower.unfollow)
+    if discovery is not None:
+        metrics.registry.register(DiscoveryCollector(discovery))
     fleet = Fleet(settings, pool, policy, admission, budget, keys, foreign, metrics, client,
-                  upstream_client, scraper, capacity, follower, subscriber)
+                  upstream_client, scraper, capacity, follower, subscriber, discovery)
     fleet_ref.append(fleet)
     return fleet

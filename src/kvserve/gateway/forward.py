@@ -74,9 +74,9 @@ class Upstream:
         if not self.closed:
             self.closed = True
             worker = self.pool.get(self.worker_url)
-            worker.in_flight -= 1
             if not self.ended:  # the worker may count it until it sees the disconnect
                 worker.abandoned += 1
+            self.pool.end_request(worker)  # a draining worker's last one lets it go
             await self.response.aclose()
 
 
@@ -126,8 +126,12 @@ class Forwarder:
         payload = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         last: NoWorkerAvailable | None = None
         for attempt, url in enumerate(candidates):
+            # A worker that left the fleet since the decision takes no new request.
+            state = self.pool.workers.get(url)
+            if state is None or state.draining:
+                continue
             if attempt > 0:
-                if not self.pool.get(url).view(now).healthy:
+                if not state.takes_traffic(now):
                     continue
                 if not self.budget.try_spend(time.monotonic()):
                     self.metrics.retry_denied.inc()
@@ -165,18 +169,18 @@ class Forwarder:
                 response = await self.client.post(f"{url}{path}", payload, sent,
                                                   self.read_timeout_s)
             except UpstreamError as exc:
-                worker.in_flight -= 1
                 self.pool.record_failure(url, f"{type(exc).__name__}: {exc}", time.monotonic())
                 self.metrics.upstream_errors.labels(url, type(exc).__name__).inc()
+                self.pool.end_request(worker)  # last: a draining worker may be forgotten now
                 last = NoWorkerAvailable(f"worker {url} unreachable: {type(exc).__name__}")
                 continue
             except BaseException:  # cancelled, or a header that cannot be sent: nothing is open
-                worker.in_flight -= 1
+                self.pool.end_request(worker)
                 raise
             finally:
                 computing.prefill_backlog_tokens -= backlog
                 if prefill is not None:
-                    prefill.in_flight -= 1
+                    self.pool.end_request(prefill)
             if response.status_code in BACKPRESSURE:
                 content: bytes | None = None  # unreadable: the gateway answers for it
                 try:
@@ -185,7 +189,7 @@ class Forwarder:
                     pass
                 finally:
                     await response.aclose()
-                    worker.in_flight -= 1
+                    self.pool.end_request(worker)
                 self.pool.record_backpressure(url)
                 last = NoWorkerAvailable(f"worker {url} is saturated", response.status_code,
                                          content, response.headers.get("retry-after"))

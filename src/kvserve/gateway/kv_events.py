@@ -84,7 +84,8 @@ class EventFollower:
         self.cursors: dict[str, int] = {}
         self.unsupported: set[str] = set()
         self.applied = 0
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._started = False
 
     async def poll_once(self) -> None:
         """One immediate read of every worker (start-up, tests)."""
@@ -92,12 +93,30 @@ class EventFollower:
                                if url not in self.unsupported))
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._follow(url)) for url in self.pool.workers]
+        self._started = True
+        for url in self.pool.workers:
+            self.follow(url)
+
+    def follow(self, url: str) -> None:
+        """Follow a worker that joined the fleet (once started; `start` follows the rest)."""
+        if self._started and url not in self._tasks:
+            self._tasks[url] = asyncio.create_task(self._follow(url))
+
+    def unfollow(self, url: str) -> None:
+        """The worker left the fleet: stop polling it and forget its cursor."""
+        task = self._tasks.pop(url, None)
+        if task is not None:
+            task.cancel()
+        self.cursors.pop(url, None)
+        self.unsupported.discard(url)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        self._started = False
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _follow(self, url: str) -> None:
         while url not in self.unsupported:

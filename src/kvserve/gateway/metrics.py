@@ -53,8 +53,13 @@ class PoolCollector(Collector):
                                     "scrape that this gateway did not send (at least): other "
                                     "routers', or direct clients'.",
                                     labels=["worker"])
+        draining = GaugeMetricFamily("kvserve:gateway_worker_draining", "1 while the worker, "
+                                     "gone from discovery, finishes the requests it has (it "
+                                     "takes no new one; its series go once it has none).",
+                                     labels=["worker"])
         hits = queries = 0.0
         for w in self.pool.workers.values():
+            draining.add_metric([w.url], 1.0 if w.draining else 0.0)
             role.add_metric([w.url, w.role], 1.0)
             healthy.add_metric([w.url], 1.0 if w.healthy else 0.0)
             in_flight.add_metric([w.url], w.in_flight)
@@ -65,7 +70,7 @@ class PoolCollector(Collector):
                                 if w.prefix_queries else 0.0)
             hits += w.prefix_hits
             queries += w.prefix_queries
-        yield from (role, healthy, in_flight, backlog, waiting, foreign, hit_rate)
+        yield from (role, healthy, draining, in_flight, backlog, waiting, foreign, hit_rate)
         if self.foreign is not None:
             share = GaugeMetricFamily("kvserve:gateway_foreign_load_share", "Of the requests the "
                                       "workers reported over the last minute of scrapes "
@@ -175,3 +180,13 @@ class GatewayMetrics:
                                        "the gateway before the request went upstream (parse, "
                                        "admission, routing).", buckets=ADDED_LATENCY_BUCKETS,
                                        registry=reg)
+
+    def forget_worker(self, url: str) -> None:
+        """The worker left the fleet: drop its labelled series (per-worker gauges are read
+        from the pool, so they go with it)."""
+        for counter in (self.requests, self.upstream_errors):
+            names = counter._labelnames
+            stale = {tuple(s.labels[n] for n in names) for family in counter.collect()
+                     for s in family.samples if s.labels.get("worker") == url}
+            for labelvalues in stale:
+                counter.remove(*labelvalues)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kvserve.gateway.foreign_load import ForeignLoad
@@ -168,6 +168,18 @@ class Scraper(Periodic):
 
     tick = scrape_once
 
+    async def scrape_workers(self, urls: Sequence[str]) -> None:
+        """Scrape these workers now (just discovered: their load and health are unknown), then
+        `on_scraped()`."""
+        await asyncio.gather(*(self._scrape(self.pool.workers[url]) for url in urls
+                               if url in self.pool.workers))
+        if self.on_scraped is not None:
+            self.on_scraped()
+
+    def forget(self, url: str) -> None:
+        """The worker left the fleet: drop what the last scrapes kept of it."""
+        self._last.pop(url, None)
+
     async def _scrape(self, worker: WorkerState) -> None:
         now = time.monotonic()
         try:
@@ -187,8 +199,8 @@ class Scraper(Periodic):
         except UpstreamError as exc:
             self.pool.record_health(worker.url, False, now, f"{type(exc).__name__}: {exc}")
             return
-        if status != 200:
-            return
+        if status != 200 or self.pool.workers.get(worker.url) is not worker:
+            return  # no metrics, or the worker was forgotten while the scrape was out
         capacity = worker.kv_capacity_tokens
         restarted = apply_metrics(worker, body.decode("utf-8", "replace"))
         worker.last_scrape = now

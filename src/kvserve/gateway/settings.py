@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvserve.gateway.discovery import DEFAULT_INTERVAL_S
 from kvserve.gateway.kv_events import DEFAULT_MIN_POLL_INTERVAL_S
 from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
 from kvserve.gateway.tenancy import Tenancy, generated_secret
@@ -49,6 +50,15 @@ class GatewaySettings:
     # `policy`), decoded on `decode_workers` (by least load); `workers` is then their union.
     prefill_workers: tuple[str, ...] = ()
     decode_workers: tuple[str, ...] = ()
+    # Discovery (`discovery/`): `workers` plus every address of these NAME:PORTs and the URLs
+    # of this file, followed every `discovery_interval_s` without a restart.
+    worker_dns: tuple[str, ...] = ()
+    workers_file: str | None = None
+    discovery_interval_s: float = DEFAULT_INTERVAL_S
+
+    @property
+    def is_discovering(self) -> bool:
+        return bool(self.worker_dns or self.workers_file)
 
     @property
     def is_disaggregated(self) -> bool:

@@ -56,6 +56,10 @@ class TextCapacity:
         self._capacities[worker_id] = kv_tokens
         self._tell(worker_id, kv_tokens)
 
+    def forget(self, worker_id: str) -> None:
+        """The worker left the fleet: its capacity is no longer rescaled."""
+        self._capacities.pop(worker_id, None)
+
     def sample(self, prompt: str) -> None:
         """A completion prompt sent with a text key: tokenize it if fewer than MIN_SAMPLES are
         measured, else one in `every`."""

@@ -99,7 +99,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="the Retry-After of the gateway's 429s, whole seconds")
     c.add_argument("--latency-limit", action=argparse.BooleanOptionalAction, default=True,
                    help="the gateway's AIMD admission limit, cut by late first tokens "
-                        "(with --backpressure)")
+                        "(with --backpressure; it applies only with --undeclared-batch)")
+    c.add_argument("--undeclared-batch", action="store_true",
+                   help="model workers that do not declare their batch (vLLM, SGLang), for "
+                        "which the gateway's latency limit applies; by default they declare "
+                        "it, as kvserve workers do")
     c.add_argument("--seniority", action=argparse.BooleanOptionalAction, default=True,
                    help="queue a resend in the place of its request's first send, as the "
                         "gateway does (with --backpressure)")
@@ -143,7 +147,8 @@ def build_tasks(args: argparse.Namespace) -> list[SimTask]:
                   else ClientConfig())
         backpressure = (Backpressure(args.max_in_flight, args.max_queued, args.queue_timeout,
                                      args.retry_after, args.latency_limit, args.seniority,
-                                     args.max_queue_wait)
+                                     args.max_queue_wait,
+                                     declared_batch=not args.undeclared_batch)
                         if throttled else None)
         for spec in policies:
             policy, option_specs = split_policy_spec(spec)

@@ -98,6 +98,7 @@ class FleetSimulator:
                    if bp is not None and bp.latency_limit else None)
         # The gateway's own admission, on the simulated clock (None: admit everything).
         self.admission = (AdmissionCore(bp.limits(), latency=latency,
+                                        latency_applies=lambda: not bp.declared_batch,
                                         clock=lambda: self.events.now)
                           if bp is not None else None)
         self.clients: list[ClientRequest] = []

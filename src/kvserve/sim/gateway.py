@@ -8,8 +8,9 @@ and `kv_usage` come from the last scrape of the workers' metrics, so they are up
 interval stale, as in production (gateway.scraper).
 Admission is the gateway's own state machine (`gateway.admission_core`), driven from the
 simulated clock: the same limits, queue order, waits and refusals, the same AIMD latency limit
-with `latency_limit` (the gateway's default), and with `seniority` (also the gateway's default)
-a resend queued by when its request was first sent.
+with `latency_limit` (the gateway's default; it applies as the gateway applies it: only where
+the workers do not declare their batch, `declared_batch=False`, as vLLM and SGLang do not), and
+with `seniority` (also the gateway's default) a resend queued by when its request was first sent.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class Backpressure:
     latency_limit: bool = True
     seniority: bool = True
     max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
+    declared_batch: bool = True  # the workers say their batch, as kvserve's do
 
     def __post_init__(self) -> None:
         self.limits()  # checks the bounds

@@ -45,11 +45,25 @@ def test_printed_bootstrap_is_valid_envoy_config(mode: str, tmp_path: Path) -> N
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
+def test_printed_bootstrap_resolves_a_headless_service_as_the_picker_does(
+        tmp_path: Path) -> None:
+    text = printed_config(9002, 10000, 9901, (), ["--worker-dns", "localhost:8000"])
+    cluster = {c["name"]: c for c in yaml.safe_load(text)["static_resources"]["clusters"]}[
+        "kvserve_workers"]
+    assert cluster["type"] == "STRICT_DNS"
+    path = tmp_path / "envoy.yaml"
+    path.write_text(text, encoding="utf-8")
+    checked = subprocess.run([str(envoy_binary()), "--mode", "validate", "-c", str(path)],
+                             capture_output=True, text=True, timeout=60)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
 @pytest.mark.parametrize(("args", "says"), [
     (["--worker", "https://10.0.0.1:8000"], "is not http://HOST:PORT"),
     (["--worker", "http://10.0.0.1"], "gives no port"),
     ([], "give --worker"),
     (["--print-envoy-config"], "give the workers"),
+    (["--print-envoy-config", "--workers-file", "w.txt"], "read by the picker alone"),
     (["--print-envoy-config", "--worker", "http://10.0.0.1:8000", "--listen-port", "0"],
      "--listen-port must be a TCP port"),
 ])

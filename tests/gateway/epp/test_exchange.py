@@ -267,3 +267,12 @@ def test_endpoints_refuse_what_envoy_cannot_route_to() -> None:
     assert named.resolved == {"worker-a": "10.1.2.3"}
     with pytest.raises(ValueError, match="already names"):
         Endpoints.from_urls(["http://10.0.0.1:8000", "http://10.0.0.1:8000/"])
+
+
+def test_a_discovered_worker_is_named_by_its_address_both_ways() -> None:
+    endpoints = Endpoints.from_urls([], resolve=lambda host, port: "10.4.5.6")
+    assert endpoints.endpoint_of("http://10.0.0.9:8000") == "10.0.0.9:8000"
+    assert endpoints.url_of("10.0.0.9:8000") == "http://10.0.0.9:8000"
+    assert endpoints.url_of("10.0.0.7:8000") == "http://10.0.0.7:8000"  # not seen yet
+    assert endpoints.endpoint_of("http://worker-b:8000") == "10.4.5.6:8000"
+    assert endpoints.url_of("10.4.5.6:8000") == "http://worker-b:8000"

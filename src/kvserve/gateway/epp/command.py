@@ -8,7 +8,8 @@ import asyncio
 
 from rich.console import Console
 
-from kvserve.gateway.command import _settings, add_gateway_arguments
+from kvserve.gateway.command import _settings, add_discovery_arguments, add_gateway_arguments
+from kvserve.gateway.discovery import DnsName
 from kvserve.gateway.epp.endpoints import Endpoints
 from kvserve.gateway.epp.envoy_config import BODY_MODES, EnvoyConfig
 from kvserve.gateway.fleet import build_fleet
@@ -37,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     e.add_argument("--envoy-body-mode", choices=BODY_MODES, default=BODY_MODES[0],
                    help="with --print-envoy-config: how Envoy sends request bodies to the "
                         "picker (FULL_DUPLEX_STREAMED, as llm-d; or BUFFERED)")
+    add_discovery_arguments(e)
     add_gateway_arguments(e)
     e.set_defaults(func=run_epp)
 
@@ -45,20 +47,29 @@ def run_epp(args: argparse.Namespace) -> int:
     console = Console(stderr=True)
     if args.print_envoy_config:
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        if args.workers_file:
+            console.print("[red]--print-envoy-config lists the workers in Envoy's cluster: give "
+                          "them as --worker or --worker-dns (a --workers-file is read by the "
+                          "picker alone)[/]", soft_wrap=True)
+            return 2
         try:
             endpoints = Endpoints.from_urls(args.worker)
+            dns = tuple(DnsName.from_spec(spec) for spec in args.worker_dns)
             print(EnvoyConfig(workers=tuple(endpoints.by_url.values()),
+                              dns_names=tuple(f"{d.host}:{d.port}" for d in dns),
+                              dns_refresh_s=args.discovery_interval,
                 listen_port=args.listen_port, epp_port=args.grpc_port,
                 admin_port=args.envoy_admin_port, listen_host=args.listen_host, epp_host=host,
                 body_mode=args.envoy_body_mode,
                 queue_wait_s=max(args.queue_timeout, args.max_queue_wait),
-                num_retries=max(1, len(args.worker) - 1)).render(), end="")
+                num_retries=3 if dns else max(1, len(args.worker) - 1)).render(), end="")
         except ValueError as exc:
             console.print(f"[red]{exc}[/]", soft_wrap=True)
             return 2
         return 0
-    if not args.worker:
-        console.print("[red]give --worker http://IP:PORT (repeatable)[/]")
+    if not (args.worker or args.worker_dns or args.workers_file):
+        console.print("[red]give --worker http://IP:PORT (repeatable), --worker-dns NAME:PORT "
+                      "or --workers-file PATH[/]", soft_wrap=True)
         return 2
     try:
         endpoints = Endpoints.from_urls(args.worker)
@@ -79,7 +90,10 @@ def run_epp(args: argparse.Namespace) -> int:
                     settings.worker_api_key, settings.trusted_salt_key)
     console.print(f"[green]kvserve epp[/] ({args.policy}): ext_proc on {args.host}:"
                   f"{args.grpc_port}, /metrics on http://{args.host}:{args.port} → "
-                  f"{', '.join(endpoints.by_url.values())}", soft_wrap=True)
+                  f"{', '.join(endpoints.by_url.values())}"
+                  + "".join(f" + DNS {name}" for name in args.worker_dns)
+                  + (f" + file {args.workers_file}" if args.workers_file else ""),
+                  soft_wrap=True)
     try:
         asyncio.run(serve(picker, args.host, args.grpc_port, args.port, settings.metrics_key))
     except OSError as exc:

@@ -30,14 +30,35 @@ def endpoint_of(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Endpoints:
     """Worker URL <-> `ip:port`, both ways; `resolved` lists the names that were looked up
-    (`name -> ip`), to be told to the operator."""
+    (`name -> ip`), to be told to the operator. A worker discovered later (`--worker-dns`,
+    `--workers-file`) is mapped when first named, its host resolved once."""
 
     by_url: dict[str, str]
     by_endpoint: dict[str, str]
     resolved: dict[str, str]
+    resolve: Resolve = resolve_ipv4_first
+
+    def endpoint_of(self, url: str) -> str:
+        """The `ip:port` Envoy is told for the worker at `url`."""
+        found = self.by_url.get(url)
+        if found is None:
+            parts = urlsplit(url)
+            host, port = parts.hostname or "", parts.port or 80
+            try:
+                ip = str(ipaddress.ip_address(host))
+            except ValueError:
+                ip = self.resolve(host, port)
+                self.resolved[host] = ip
+            found = self.by_url[url] = endpoint_of(ip, port)
+            self.by_endpoint.setdefault(found, url)
+        return found
+
+    def url_of(self, endpoint: str) -> str:
+        """The worker URL of an `ip:port` (a discovered worker's, when not mapped yet)."""
+        return self.by_endpoint.get(endpoint) or f"http://{endpoint}"
 
     @classmethod
     def from_urls(cls, urls: list[str], resolve: Resolve = resolve_ipv4_first) -> Endpoints:
@@ -69,8 +90,8 @@ class Endpoints:
                 raise ValueError(f"--worker {url!r} is {endpoint}, which another --worker "
                                  "already names: give each worker once")
             by_url[url.rstrip("/")] = endpoint
-        return cls(by_url, {e: u for u, e in by_url.items()}, resolved)
+        return cls(by_url, {e: u for u, e in by_url.items()}, resolved, resolve)
 
     def urls(self, endpoints: list[str]) -> set[str]:
-        """The worker URLs among `endpoints` (others are not this pool's)."""
-        return {self.by_endpoint[e] for e in endpoints if e in self.by_endpoint}
+        """The worker URLs `endpoints` name (the pool decides which are its own)."""
+        return {self.url_of(e) for e in endpoints}

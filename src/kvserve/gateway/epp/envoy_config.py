@@ -85,8 +85,8 @@ static_resources:
   # The workers; Envoy's override_host policy sends each request to the first endpoint the
   # picker named and each retry to the next one of its list.
   - name: kvserve_workers
-    type: STATIC
-    connect_timeout: 1s
+    type: {cluster_type}
+    connect_timeout: 1s{dns_options}
     load_balancing_policy:
       policies:
       - typed_extension_config:
@@ -140,6 +140,8 @@ class EnvoyConfig:
     listen_host: str = "0.0.0.0"
     epp_host: str = "127.0.0.1"
     workers: tuple[str, ...] = ()  # ip:port, as the picker names them
+    dns_names: tuple[str, ...] = ()  # NAME:PORT (--worker-dns): Envoy resolves them too
+    dns_refresh_s: float = 5.0
     body_mode: str = "FULL_DUPLEX_STREAMED"
     queue_wait_s: float = 30.0
     num_retries: int = 2
@@ -151,9 +153,10 @@ class EnvoyConfig:
                            ("--envoy-admin-port", self.admin_port)):
             if not 0 < port < 65536:
                 raise ValueError(f"{name} must be a TCP port (1-65535), got {port}")
-        if not self.workers:
-            raise ValueError("give the workers (--worker http://IP:PORT, repeatable): Envoy's "
-                             "cluster lists the endpoints the picker may name")
+        if not self.workers and not self.dns_names:
+            raise ValueError("give the workers (--worker http://IP:PORT or --worker-dns "
+                             "NAME:PORT, repeatable): Envoy's cluster lists the endpoints the "
+                             "picker may name")
         if self.body_mode not in BODY_MODES:
             raise ValueError(f"--envoy-body-mode must be one of {', '.join(BODY_MODES)}")
         return TEMPLATE.format(
@@ -163,7 +166,12 @@ class EnvoyConfig:
             queue_wait_s=f"{self.queue_wait_s:g}",
             message_timeout_s=math.ceil(self.queue_wait_s) + 5,
             idle_timeout_s=self.idle_timeout_s,
-            worker_endpoints="\n".join(_lb_endpoint(e) for e in self.workers))
+            worker_endpoints="\n".join(_lb_endpoint(e) for e in self.workers + self.dns_names),
+            # A headless Service's pods are the cluster's hosts, re-resolved as the picker's
+            # --worker-dns is; a plain list needs no DNS.
+            cluster_type="STRICT_DNS" if self.dns_names else "STATIC",
+            dns_options=(f"\n    dns_lookup_family: V4_PREFERRED\n    dns_refresh_rate: "
+                         f"{self.dns_refresh_s:g}s" if self.dns_names else ""))
 
 
 def _lb_endpoint(endpoint: str) -> str:

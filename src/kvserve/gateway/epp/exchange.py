@@ -28,6 +28,7 @@ from kvserve.gateway.prepare import Refused, prepare_request
 from kvserve.gateway.proxy_endpoint import PROXIED_PATHS
 from kvserve.gateway.seniority import Seniority, request_key
 from kvserve.gateway.tenancy import SALT_KEY_HEADER, Tenancy
+from kvserve.gateway.worker_pool import WorkerState
 
 MODELS_PATH = "/v1/models"
 
@@ -70,7 +71,7 @@ class Exchange:
         self.timeout_s: float | None = None
         self.route: RouteRequest | None = None
         self.decision: RouteDecision | None = None
-        self.worker_url: str | None = None  # holds this request's in-flight count
+        self.worker: WorkerState | None = None  # holds this request's in-flight count
         self.backlog = 0  # prompt tokens counted on the worker until it answers
         self.key = b""
         self.answered = False
@@ -125,7 +126,7 @@ class Exchange:
             if not urls:
                 return [self._no_endpoint()]
             return [protocol.routed_without_body(
-                [self.picker.endpoints.by_url[u] for u in urls])]
+                [self.picker.endpoints.endpoint_of(u) for u in urls])]
         if self.path not in PROXIED_PATHS:
             self.decided = True
             return [protocol.immediate(404, f"{self.path or '/'} is not served here: the "
@@ -210,7 +211,7 @@ class Exchange:
         ranked = [decision.worker_id] + [u for u in decision.ranked
                                          if u != decision.worker_id and u in eligible]
         payload = protocol.json_body(body)
-        return protocol.routed(self.mode, [picker.endpoints.by_url[u] for u in ranked],
+        return protocol.routed(self.mode, [picker.endpoints.endpoint_of(u) for u in ranked],
                                payload, prepared.headers,
                                picker.client_headers() - set(prepared.headers))
 
@@ -219,8 +220,7 @@ class Exchange:
         prefix arriving meanwhile must see where it went."""
         fleet = self.picker.fleet
         self.route, self.decision = route, decision
-        self.worker_url = decision.worker_id
-        worker = fleet.pool.get(decision.worker_id)
+        worker = self.worker = fleet.pool.get(decision.worker_id)
         worker.in_flight += 1
         worker.dispatched += 1
         fleet.policy.observe(route, decision.worker_id)
@@ -229,8 +229,8 @@ class Exchange:
         worker.prefill_backlog_tokens += self.backlog
 
     def _drop_backlog(self) -> None:
-        if self.backlog and self.worker_url is not None:
-            self.picker.fleet.pool.get(self.worker_url).prefill_backlog_tokens -= self.backlog
+        if self.backlog and self.worker is not None:
+            self.worker.prefill_backlog_tokens -= self.backlog
         self.backlog = 0
 
     def _response_headers(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
@@ -238,16 +238,17 @@ class Exchange:
         fleet = self.picker.fleet
         self._drop_backlog()
         served = protocol.served_endpoint(request, headers)
-        url = self.picker.endpoints.by_endpoint.get(served) if served else None
+        url = self.picker.endpoints.url_of(served) if served else None
+        served_worker = fleet.pool.workers.get(url) if url is not None else None
         decision, route = self.decision, self.route
-        if url is not None and decision is not None and route is not None:
-            if url != self.worker_url and self.worker_url is not None:
+        if (url is not None and served_worker is not None and decision is not None
+                and route is not None):
+            if self.worker is not None and served_worker is not self.worker:
                 # Envoy walked the fallback list: the request is the served worker's now.
-                fleet.pool.get(self.worker_url).in_flight -= 1
-                worker = fleet.pool.get(url)
-                worker.in_flight += 1
-                worker.dispatched += 1
-                self.worker_url = url
+                fleet.pool.end_request(self.worker)
+                served_worker.in_flight += 1
+                served_worker.dispatched += 1
+                self.worker = served_worker
                 fleet.policy.observe(route, url)
                 fleet.metrics.retries.labels("envoy").inc()
             status = int(headers.get(":status", "0") or 0)
@@ -255,7 +256,7 @@ class Exchange:
                 fleet.pool.record_backpressure(url)
             else:
                 fleet.pool.record_success(url)
-                fleet.pool.get(url).requests += 1
+                served_worker.requests += 1
                 branch = decision.branch if url == decision.worker_id else "failover"
                 fleet.metrics.requests.labels(url, str(branch), fleet.settings.policy).inc()
                 if url == decision.worker_id:
@@ -287,11 +288,10 @@ class Exchange:
         self.closed = True
         self._drop_backlog()
         fleet = self.picker.fleet
-        if self.worker_url is not None:
-            worker = fleet.pool.get(self.worker_url)
-            worker.in_flight -= 1
+        if self.worker is not None:
             if not self.ended:  # the worker may count it until it sees the disconnect
-                worker.abandoned += 1
+                self.worker.abandoned += 1
+            fleet.pool.end_request(self.worker)  # a draining worker's last one lets it go
         if self.slot is not None:
             if not self.answered:
                 self.slot.gave_up(time.monotonic() - self.admitted)
