@@ -3,7 +3,8 @@
 Run as `python -m tests.ops.leaky_worker <serve args>`. Two patches, applied before the engine
 is built: `KVCacheManager.free` skips aborted requests (a client that disconnects mid-stream
 leaves its blocks behind), and `KVCacheManager.reap` reclaims nothing (so the idle check's
-reaper cannot hide the leak). Never imported by kvserve itself.
+reaper cannot hide the leak). With `--tensor-parallel-size N` the leak is the group's: rank 0,
+this process, owns the one KV-cache manager. Never imported by kvserve itself.
 """
 
 from __future__ import annotations

@@ -40,13 +40,15 @@ def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> No
 class Server:
     """One server subprocess (`python -m <module> <argv> --host --port`), logging to a file."""
 
-    def __init__(self, name: str, module: str, argv: Sequence[str], log_dir: Path) -> None:
+    def __init__(self, name: str, module: str, argv: Sequence[str], log_dir: Path,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}-{self.port}.log"
         self.num_workers = 0  # a gateway's
         self.interrupted = False
-        env = dict(os.environ, PYTHONUNBUFFERED="1", KVSERVE_CACHE=str(log_dir / "cache"))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", KVSERVE_CACHE=str(log_dir / "cache"),
+                   **(extra_env or {}))
         for key in ("KVSERVE_API_KEY", "KVSERVE_ADMIN_KEY"):
             env.pop(key, None)
         command = [sys.executable, "-m", module, *argv, "--host", "127.0.0.1",
@@ -57,8 +59,9 @@ class Server:
     def log(self) -> str:
         return self.log_path.read_text(encoding="utf-8", errors="replace")
 
-    def wait_ready(self, ready: Callable[[httpx.Response], bool]) -> None:
-        end = time.monotonic() + START_TIMEOUT_S
+    def wait_ready(self, ready: Callable[[httpx.Response], bool],
+                   timeout_s: float = START_TIMEOUT_S) -> None:
+        end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.log_path.name} exited with {self.proc.returncode}:\n"
@@ -67,7 +70,7 @@ class Server:
                 if ready(httpx.get(f"{self.url}/health", timeout=1.0)):
                     return
             time.sleep(0.1)
-        raise RuntimeError(f"{self.log_path.name} not ready after {START_TIMEOUT_S}s:\n"
+        raise RuntimeError(f"{self.log_path.name} not ready after {timeout_s}s:\n"
                            f"{self.log()}")
 
     def interrupt(self) -> None:

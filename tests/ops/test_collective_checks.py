@@ -52,7 +52,8 @@ def test_healthy_tp_worker_rules_every_cause_out_with_numbers():
     assert problems == []
     assert diff.title == "differential diagnosis: no fault among the known causes"
     assert line(diff, "collective") == ("collective: ruled out: collectives healthy: all_reduce "
-                                        "p99 <= 5 ms over 1000 calls over the last 5 s, 0 errors")
+                                        "p99 <= 5 ms over 1000 calls over the last 5 s, 0 errors "
+                                        "since start")
     assert line(diff, "corruption").startswith("corruption: ruled out: 0 corruption detections")
 
 
@@ -66,6 +67,19 @@ def test_a_failed_collective_is_the_cause_and_the_cache_is_not():
     assert diff.title == "differential diagnosis: collective"
     assert line(diff, "corruption").startswith("corruption: ruled out: 0 corruption")
     assert line(diff, "leak").startswith("leak: ruled out")
+
+
+def test_a_collective_failed_before_the_window_is_still_the_cause():
+    # The doctor reads the worker in its grace period after the failure: no new error in the
+    # window, yet the group is gone; collectives must not be "ruled out".
+    first = tp_metrics(errors=1, **busy())
+    second = tp_metrics(errors=1, **busy())
+    problems, diff = findings(first, second)
+    assert [(f.problem, f.severity) for f in problems] == [(Problem.COLLECTIVE,
+                                                            Severity.CRITICAL)]
+    assert "1 all_reduce failures of kind timeout since start (0 in the last" in \
+        problems[0].evidence[0]
+    assert line(diff, "collective").startswith("collective: THE CAUSE")
 
 
 def test_a_slow_rank_is_told_from_a_slow_transport():

@@ -19,11 +19,9 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "kvserve.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 PROMETHEUS_OWN = {"up", "ALERTS", "ALERTS_FOR_STATE"}  # made by Prometheus, not by a target
-# Exported only by a tensor-parallel worker's rank 0 (tests/tp/test_tp_http.py reads them live).
-TENSOR_PARALLEL_ONLY = {"kvserve:collective_errors_total",
-                        "kvserve:collective_duration_seconds_bucket",
-                        "kvserve:collective_duration_seconds_count",
-                        "kvserve:collective_rank_skew_seconds_bucket"}
+# A live `kvserve serve --tensor-parallel-size 2`'s /metrics (the collective series are only
+# there): recorded by tests/ops/test_live_faults.py, which checks the same panels live.
+TP_METRICS = Path(__file__).resolve().parents[1] / "data" / "tp_metrics" / "worker_tp2.prom"
 VLLM_METRICS = Path(__file__).resolve().parents[1] / "data" / "vllm_metrics" / "burst.prom"
 KVSERVE_ONLY = "(kvserve workers only)"
 
@@ -83,15 +81,20 @@ def test_dashboard_covers_the_issue() -> None:
                  "kvserve:kv_corruption_detections_total", "kvserve:kv_reclaimed_blocks_total",
                  "kvserve:kv_audit_failures_total", "kvserve:gateway_requests_total",
                  "kvserve:gateway_retries_total", "kvserve:gateway_rejections_total",
-                 "kvserve:gateway_added_latency_seconds_bucket"):
+                 "kvserve:gateway_added_latency_seconds_bucket",
+                 "kvserve:collective_duration_seconds_bucket",
+                 "kvserve:collective_duration_seconds_count", "kvserve:collective_errors_total",
+                 "kvserve:collective_rank_skew_seconds_bucket", "kvserve:collective_slowest_rank",
+                 "kvserve:tp_step_divergences_total", "kvserve:tensor_parallel_size"):
         assert name in used, f"the dashboard shows nothing of {name}"
 
 
 @pytest.fixture(scope="module")
 def exported(servers: Servers) -> set[str]:
-    """Names on a live worker's and a live gateway's /metrics (one request went through)."""
+    """Names on a live worker's and a live gateway's /metrics (one request went through), and
+    on a tensor-parallel worker's recorded one."""
     return exported_names(servers.worker.metrics_text()) | exported_names(
-        servers.gateway.metrics_text())
+        servers.gateway.metrics_text()) | exported_names(TP_METRICS.read_text())
 
 
 def test_dashboard_reads_only_exported_metrics(exported: set[str]) -> None:
@@ -108,8 +111,7 @@ def test_alert_rules_read_only_exported_metrics(exported: set[str]) -> None:
     rules = [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
     recorded = {r["record"] for r in rules if "record" in r}
     unknown = {r.get("alert") or r["record"]: sorted(bad) for r in rules
-               if (bad := metric_names(r["expr"]) - exported - recorded - PROMETHEUS_OWN
-                   - TENSOR_PARALLEL_ONLY)}
+               if (bad := metric_names(r["expr"]) - exported - recorded - PROMETHEUS_OWN)}
     assert not unknown, f"rules name metrics nobody exports: {unknown}"
 
 

@@ -104,11 +104,11 @@ def _healthy(cause: Problem, obs: Observation, m: Metrics) -> str:
     window = f"over the last {obs.interval_s:.0f} s"
     if cause is Problem.COLLECTIVE:
         p99, n = window_quantile(obs, DURATION, 0.99, op="all_reduce")
-        errors = sum(delta(obs, ERRORS, op=op) for op in _ops(m))
+        errors = sum(m.value(ERRORS, op=op) for op in _ops(m))
         if p99 is None:
-            return f"no collective ran {window} and {errors:.0f} failed"
+            return f"no collective ran {window}; {errors:.0f} failed since start"
         return (f"collectives healthy: all_reduce p99 <= {_ms(p99)} over {n} calls {window}, "
-                f"{errors:.0f} errors")
+                f"{errors:.0f} errors since start")
     if cause is Problem.CORRUPTION:
         found = delta(obs, "kvserve:kv_corruption_detections_total")
         audits = delta(obs, "kvserve:kv_audit_failures_total")
@@ -126,12 +126,15 @@ def _healthy(cause: Problem, obs: Observation, m: Metrics) -> str:
 
 
 def _errors(obs: Observation, m: Metrics) -> list[str]:
+    """Failed collectives since start: a failed group is never repaired in place (the worker
+    exits), so one counted before the window opened is as current as one counted in it."""
     out = []
     for lab in m.labels_of(ERRORS):
-        n = delta(obs, ERRORS, op=lab["op"], kind=lab["kind"])
+        n = m.value(ERRORS, op=lab["op"], kind=lab["kind"])
         if n > 0:
-            out.append(f"{n:.0f} {lab['op']} failures of kind {lab['kind']} in the last "
-                       f"{obs.interval_s:.0f} s")
+            window = delta(obs, ERRORS, op=lab["op"], kind=lab["kind"])
+            out.append(f"{n:.0f} {lab['op']} failures of kind {lab['kind']} since start "
+                       f"({window:.0f} in the last {obs.interval_s:.0f} s)")
     return out
 
 

@@ -7,6 +7,7 @@ blocks) → `step()` (schedule → run → sample → detokenize) → `RequestOu
 
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -45,6 +46,8 @@ from kvserve.runtime.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from kvserve.runtime.engine_args import EngineArgs, kv_cache_dtype_name
 from kvserve.runtime.host_memory import reuse_freed_host_memory
 from kvserve.runtime.kv_event_log import KVEventLog
+from kvserve.runtime.kv_faults import FAULT_VAR as KV_FAULT_VAR
+from kvserve.runtime.kv_faults import KVFault
 from kvserve.runtime.memory_budget import (
     device_memory_bytes,
     kv_bytes_for_utilization,
@@ -54,6 +57,8 @@ from kvserve.runtime.outputs import CompletionOutput, RequestOutput
 from kvserve.runtime.step_tokens import StepTokenCounts, StepTokens
 from kvserve.runtime.tp_executor import TensorParallelExecutor
 from kvserve.runtime.tp_launch import RankGroup, Rendezvous
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +107,7 @@ class LLMEngine:
         # next step can reuse its freed blocks (a prefill worker copies the KV out then).
         self._on_finish: dict[str, Callable[[RequestOutput], None]] = {}
         self.collective_stats: CollectiveStats | None = None  # tensor parallelism only
+        self.kv_fault = KVFault.from_env()  # None unless a test plants one (KVSERVE_TEST_HOOKS)
 
     @classmethod
     def from_args(cls, args: EngineArgs, rendezvous: Rendezvous | None = None) -> LLMEngine:
@@ -327,6 +333,10 @@ class LLMEngine:
             for completion in output.outputs:
                 completion.new_text, completion.new_token_ids, completion.new_logprobs = "", (), ()
         scheduled_before = self.core.scheduler.num_scheduled_tokens
+        if self.kv_fault is not None and (
+                block := self.kv_fault.before_step(self.core.scheduler, self.kv_cache)) is not None:
+            log.warning("test hook %s: reassigned KV block %d under a live request",
+                        KV_FAULT_VAR, block)
         for delta in self.core.step():
             output = self._apply(delta)
             if output is not None:

@@ -2,7 +2,8 @@
 
 `KVSERVE_TP_FAULT="<rank>:<step>:<kind>[:<seconds>]"` makes rank <rank> (never 0), at step
 <step>: `delay` sleep <seconds> before its forward pass (a slow rank), `exit` die at once (a lost
-rank), `diverge` alter one block-table entry of the plan it received (a divergent rank). Without
+rank), `diverge` alter one block-table entry of the plan it received (a divergent rank).
+`<step>` may be a range `<first>-<last>` (inclusive): a rank that stays slow for many steps. Without
 the hook flag the variable is ignored, so a production worker cannot be made to misbehave.
 """
 
@@ -34,6 +35,7 @@ class Fault:
     step_id: int
     kind: FaultKind
     seconds: float = 0.0
+    last_step_id: int | None = None  # a range of steps ends here (None: only `step_id`)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> Fault | None:
@@ -42,15 +44,21 @@ class Fault:
             return None
         parts = env[FAULT_VAR].split(":")
         try:
-            return cls(int(parts[0]), int(parts[1]), FaultKind(parts[2]),
-                       float(parts[3]) if len(parts) > 3 else 0.0)
+            first, _, last = parts[1].partition("-")
+            return cls(int(parts[0]), int(first), FaultKind(parts[2]),
+                       float(parts[3]) if len(parts) > 3 else 0.0,
+                       int(last) if last else None)
         except (IndexError, ValueError) as exc:
             raise ValueError(f"{FAULT_VAR}={env[FAULT_VAR]!r}: expected "
-                             "rank:step:delay|exit|diverge[:seconds]") from exc
+                             "rank:step[-last]:delay|exit|diverge[:seconds]") from exc
+
+    def applies(self, rank: int, step_id: int) -> bool:
+        last = self.step_id if self.last_step_id is None else self.last_step_id
+        return rank == self.rank and self.step_id <= step_id <= last
 
     def before_check(self, rank: int, plan: StepPlan) -> StepPlan:
         """What rank `rank` executes instead of `plan` (or dies, or waits) under this fault."""
-        if rank != self.rank or plan.step_id != self.step_id:
+        if not self.applies(rank, plan.step_id):
             return plan
         if self.kind is FaultKind.EXIT:
             os._exit(LOST_RANK_EXIT_CODE)
@@ -60,5 +68,5 @@ class Fault:
         return plan
 
     def before_forward(self, rank: int, plan: StepPlan) -> None:
-        if rank == self.rank and plan.step_id == self.step_id and self.kind is FaultKind.DELAY:
+        if self.kind is FaultKind.DELAY and self.applies(rank, plan.step_id):
             time.sleep(self.seconds)

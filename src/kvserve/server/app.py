@@ -24,7 +24,15 @@ from kvserve.server.kv_pull import KVPuller
 from kvserve.server.limits import BodySizeLimit, EchoRequestId
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from kvserve.server.serving import SSE_DONE, Call, Serving, sse, unless_client_leaves
+from kvserve.server.serving import (
+    SSE_DONE,
+    Call,
+    Serving,
+    failure_of,
+    sse,
+    sse_error,
+    unless_client_leaves,
+)
 from kvserve.server.settings import ServerSettings, WorkerRole
 from kvserve.server.structured import structured_output
 from kvserve.server.tool_calls import plan_tools
@@ -211,6 +219,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
             finals = {}
             pending = [first] if first is not None else []
             async for idx, output in _chain(pending, events):
+                if output.finished and (error := failure_of([output])) is not None:
+                    yield sse_error(call, error)
+                    await events.aclose()
+                    return
                 chunk = fmt.chunk(idx, output)
                 if chunk is not None:
                     yield sse(chunk)
@@ -259,6 +271,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
             final = None
             pending = [first] if first is not None else []
             async for _, output in _chain(pending, events):
+                if output.finished and (error := failure_of([output])) is not None:
+                    yield sse_error(call, error)
+                    await events.aclose()
+                    return
                 chunk = fmt.chunk(output)
                 if chunk is not None:
                     yield sse(chunk)
@@ -289,6 +305,7 @@ async def _first_or_error(events, raw: Request, call: Call):  # type: ignore[no-
     if first[1].finished:
         try:
             call.check_timed_out([first[1]])
+            call.check_failed([first[1]])
         except APIError:
             await events.aclose()  # ends its tasks now, not when collected
             raise

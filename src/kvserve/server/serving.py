@@ -52,6 +52,30 @@ class Call:
                            "(x-kvserve-timeout / x-stainless-read-timeout); the request was "
                            "dropped unanswered", err_type="timeout")
 
+    def check_failed(self, outputs: Sequence[RequestOutput]) -> None:
+        """Raise APIError 500 naming the fault when the worker ended a sample with an error
+        (a corrupt KV block: its message names the block and both epochs)."""
+        if (error := failure_of(outputs)) is not None:
+            raise APIError(500, f"request {self.request_id!r} failed on the worker: {error}",
+                           err_type="internal_server_error")
+
+
+def failure_of(outputs: Sequence[RequestOutput]) -> str | None:
+    """The error of the first sample that finished with FinishReason.ERROR, if any."""
+    for output in outputs:
+        for c in output.outputs:
+            if c.finish_reason is FinishReason.ERROR:
+                return c.error or "the worker ended the request with an error"
+    return None
+
+
+def sse_error(call: Call, error: str) -> str:
+    """The SSE event that ends a stream whose request failed on the worker (the OpenAI
+    client raises it as an APIError)."""
+    return sse({"error": {"message": f"request {call.request_id!r} failed on the worker: "
+                                     f"{error}", "type": "internal_server_error",
+                          "param": None, "code": 500}})
+
 
 def sse(data: object) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
@@ -215,6 +239,7 @@ class Serving:
         await unless_client_leaves(raw, asyncio.ensure_future(run()), "client disconnected")
         outputs = [finals[i] for i in range(len(prompts))]
         call.check_timed_out(outputs)
+        call.check_failed(outputs)
         return outputs
 
 
