@@ -113,6 +113,7 @@ def test_router_specs_are_checked() -> None:
     ("kvserve:precise@backlog_weight=0@--kv-events-min-interval=0.5",
      ["--policy-option=backlog_weight=0", "--kv-events-min-interval=0.5"]),
     ("kvserve:cache_aware@--no-latency-limit", ["--no-latency-limit"]),  # a flag alone
+    ("envoy+kvserve-epp:prefix_hash@--max-queued=0", ["--max-queued=0"]),  # the picker's too
 ])
 def test_router_specs_carry_policy_options_and_gateway_flags(spec: str, args: list[str]) -> None:
     variant = RouterSpec.parse(spec)

@@ -42,6 +42,18 @@ def _bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=240, env=env, check=False)
 
 
+def test_the_stub_worker_reads_a_chunked_body(tmp_path: Path) -> None:
+    """Envoy re-chunks a body its ext_proc filter rewrote (the Endpoint Picker's)."""
+    body = json.dumps({"model": "stub", "prompt": "hello " * 50}).encode()
+    parts = iter([body[:7], body[7:100], body[100:]])
+    with StubWorker(0, 3, 0.0, tmp_path) as worker, httpx.Client(timeout=10.0) as client:
+        answer = client.post(f"{worker.url}/v1/completions", content=parts,
+                             headers={"content-type": "application/json"})
+        assert answer.request.headers["transfer-encoding"] == "chunked"
+        assert answer.status_code == 200
+        assert answer.json()["usage"]["prompt_tokens"] == len("hello " * 50) // 4
+
+
 def test_each_router_is_measured_and_a_missing_peer_is_skipped(tmp_path: Path) -> None:
     out = tmp_path / "cpu.json"
     proc = _bench(tmp_path, "--routers", "kvserve:cache_aware,sglang:cache_aware",

@@ -18,6 +18,7 @@ from typing import Any
 
 from rich.console import Console
 
+from kvserve.bench.gateway_envoy import ENVOY_EPP
 from kvserve.bench.gateway_fleet import (
     IDEAL,
     KVSERVE_GATEWAY,
@@ -141,8 +142,8 @@ class Bench:
                                                    actions)))
             cpu = CpuReading.of(replicas, self.fleet.workers).per_request_ms(
                 before, len(requests))
-            stats = (gateway_stats([r.url for r in replicas])
-                     if router.kind == KVSERVE_GATEWAY else {})
+            stats = (gateway_stats([getattr(r, "metrics_url", r.url) for r in replicas])
+                     if router.kind in (KVSERVE_GATEWAY, ENVOY_EPP) else {})
         finally:
             for r in replicas:
                 r.stop()

@@ -93,7 +93,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="base", help=f"comma-separated: {', '.join(CASES)}, all")
     p.add_argument("--routers", default=DEFAULT_ROUTERS,
-                   help="comma-separated: ideal, kvserve:POLICY, sglang:POLICY")
+                   help="comma-separated: ideal, kvserve:POLICY, sglang:POLICY, "
+                        "envoy+kvserve-epp:POLICY (Envoy in front of `kvserve epp`)")
     p.add_argument("--workers", type=int, default=2, help="workers in the fleet")
     p.add_argument("--worker-server", choices=(KVSERVE, VLLM), default=KVSERVE)
     p.add_argument("--kv-events", choices=("zmq", "poll"), default="zmq",

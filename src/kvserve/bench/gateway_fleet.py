@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from kvserve.bench.gateway_envoy import ENVOY_EPP, EnvoyEpp
 from kvserve.bench.peers_env import missing_peer_message, sglang_router_binary
 from kvserve.bench.server_launch import (
     KVSERVE,
@@ -36,7 +37,7 @@ from kvserve.gateway.policies import split_policy_spec
 IDEAL = "ideal"
 KVSERVE_GATEWAY = "kvserve"
 SGLANG_ROUTER = "sglang"
-ROUTER_KINDS = (KVSERVE_GATEWAY, SGLANG_ROUTER)
+ROUTER_KINDS = (KVSERVE_GATEWAY, SGLANG_ROUTER, ENVOY_EPP)  # ENVOY_EPP: Envoy + `kvserve epp`
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +68,7 @@ class RouterSpec:
                              f"{', '.join(ROUTER_KINDS)} (e.g. kvserve:prefix_hash, "
                              "sglang:cache_aware)")
         _check_gateway_flags(text, flags)
-        if (options or flags) and kind != KVSERVE_GATEWAY:
+        if (options or flags) and kind not in (KVSERVE_GATEWAY, ENVOY_EPP):
             raise ValueError(f"router {text!r}: @KEY=VALUE options and @--flag=VALUE gateway "
                              "flags are for kvserve policies only")
         return cls(kind, policy, options, flags)
@@ -191,6 +192,9 @@ def make_router(spec: RouterSpec, workers: Sequence[str], log_dir: Path,
                               [*gateway_args, *spec.gateway_args])
     if spec.kind == SGLANG_ROUTER:
         return SglangRouter(spec.policy, workers, log_dir)
+    if spec.kind == ENVOY_EPP:
+        return EnvoyEpp(spec.policy, workers, log_dir,
+                        ["--salt-secret", BENCH_SALT_SECRET, *gateway_args, *spec.gateway_args])
     raise ValueError(f"{spec.label} is not a router process")
 
 

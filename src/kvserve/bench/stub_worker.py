@@ -43,6 +43,18 @@ def _event(payload: object) -> bytes:
     return f"data: {json.dumps(payload)}\n\n".encode()
 
 
+async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+    """A chunked request body (Envoy sends one when a filter rewrote the body)."""
+    parts = []
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";")[0].strip(), 16)
+        if size == 0:
+            await reader.readuntil(b"\r\n")  # no trailers: the empty line
+            return b"".join(parts)
+        parts.append(await reader.readexactly(size))
+        await reader.readexactly(2)
+
+
 def _frame(chunk: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(chunk), chunk)
 
@@ -65,7 +77,10 @@ class StubServer:
                 method, path = lines[0].split(b" ")[:2]
                 length = next((int(line.split(b":", 1)[1]) for line in lines[1:]
                                if line.lower().startswith(b"content-length:")), 0)
-                body = await reader.readexactly(length) if length else b""
+                chunked = any(line.lower().startswith(b"transfer-encoding:")
+                              and b"chunked" in line.lower() for line in lines[1:])
+                body = (await _read_chunked(reader) if chunked
+                        else await reader.readexactly(length) if length else b"")
                 if method == b"POST" and path in (b"/v1/completions", b"/v1/chat/completions"):
                     await self._complete(writer, path, body)
                 else:

@@ -107,6 +107,23 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                         "them with the same --metrics-key; env KVSERVE_METRICS_KEY)")
 
 
+def add_discovery_arguments(p: argparse.ArgumentParser) -> None:
+    """Workers found without a restart, for `kvserve gateway` and `kvserve epp` alike."""
+    p.add_argument("--worker-dns", action="append", default=[], metavar="NAME:PORT",
+                   help="workers by DNS (repeatable): every A/AAAA address of NAME is a worker "
+                        "http://IP:PORT (a Kubernetes headless Service), re-resolved every "
+                        "--discovery-interval; a failed lookup keeps the last known addresses")
+    p.add_argument("--workers-file", default=None, metavar="PATH",
+                   help="workers from a file, one URL per line ('#' comments), re-read when it "
+                        "changes (a mounted ConfigMap); a bad version keeps the last good one. "
+                        "With --worker and --worker-dns the fleet is the union; a worker that "
+                        "leaves finishes its requests in flight and gets no new one. Discovered "
+                        "workers' KV events are long-polled (/kv/events), never followed over "
+                        "ZMQ (--worker-kv-events names static --worker URLs only)")
+    p.add_argument("--discovery-interval", type=float, default=DEFAULT_INTERVAL_S, metavar="S",
+                   help="seconds between two reads of --worker-dns and --workers-file")
+
+
 def tenancy_from(args: argparse.Namespace) -> Tenancy:
     """The tenancy the flags ask for; a gateway given no salt secret makes one (and says so)
     unless it is one of several replicas, which must agree. Raises ValueError saying what to
@@ -169,19 +186,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     g = sub.add_parser("gateway", help="cache-aware gateway in front of OpenAI-compatible workers")
     g.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="a worker's base URL (repeatable): kvserve, vLLM or SGLang")
-    g.add_argument("--worker-dns", action="append", default=[], metavar="NAME:PORT",
-                   help="workers by DNS (repeatable): every A/AAAA address of NAME is a worker "
-                        "http://IP:PORT (a Kubernetes headless Service), re-resolved every "
-                        "--discovery-interval; a failed lookup keeps the last known addresses")
-    g.add_argument("--workers-file", default=None, metavar="PATH",
-                   help="workers from a file, one URL per line ('#' comments), re-read when it "
-                        "changes (a mounted ConfigMap); a bad version keeps the last good one. "
-                        "With --worker and --worker-dns the fleet is the union; a worker that "
-                        "leaves finishes its requests in flight and gets no new one. Discovered "
-                        "workers' KV events are long-polled (/kv/events), never followed over "
-                        "ZMQ (--worker-kv-events names static --worker URLs only)")
-    g.add_argument("--discovery-interval", type=float, default=DEFAULT_INTERVAL_S, metavar="S",
-                   help="seconds between two reads of --worker-dns and --workers-file")
+    add_discovery_arguments(g)
     g.add_argument("--worker-kv-events", action="append", default=[],
                    metavar="URL=ENDPOINT[,replay=ENDPOINT][,topic=T][,dp=N]",
                    help="`precise`: follow this --worker's KV events over ZMQ (vLLM's "
