@@ -20,14 +20,34 @@ from kvserve.gateway.kv_events import EventFollower
 from kvserve.gateway.latency_limit import LatencyLimit
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import CapacityAware, PrecisePolicy, RoutingPolicy, make_policy
+from kvserve.gateway.prepare import Prepared
 from kvserve.gateway.retry_budget import RetryBudget
 from kvserve.gateway.scraper import Scraper
+from kvserve.gateway.seniority import Seniority, request_key
 from kvserve.gateway.settings import GatewaySettings
 from kvserve.gateway.text_capacity import TextCapacity
 from kvserve.gateway.token_keys import ExactKeys, workers_model_dir
 from kvserve.gateway.upstream_http import UpstreamClient
 from kvserve.gateway.worker_pool import WorkerPool
 from kvserve.gateway.zmq_events import ZmqEventFollower
+
+
+def note_arrival(prepared: Prepared, path: str, raw: bytes, started: float,
+                 capacity: TextCapacity | None, text_keyed: bool, seniority: Seniority | None,
+                 metrics: GatewayMetrics) -> tuple[bytes, float | None]:
+    """What every front end records of a prepared request before admission: a text-keyed
+    completion prompt sampled for the characters-per-token ratio, and, with `seniority`, the
+    request's resend key and when it was first asked for (its place in the queue)."""
+    prompt = prepared.body.get("prompt")
+    if capacity is not None and text_keyed and isinstance(prompt, str):
+        capacity.sample(prompt)
+    if seniority is None:
+        return b"", None
+    key = request_key(prepared.salt, path, raw)
+    since = seniority.since(key, started)
+    if since < started:
+        metrics.resends.inc()
+    return key, since
 
 
 @dataclass(slots=True)

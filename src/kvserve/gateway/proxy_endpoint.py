@@ -32,12 +32,13 @@ from typing import Any
 
 from kvserve.client_timeout import BadTimeout, client_timeout_s, refusals_spend_retries
 from kvserve.gateway.admission import Admission, Saturated, Slot
+from kvserve.gateway.fleet import note_arrival
 from kvserve.gateway.forward import Forwarder, NoWorkerAvailable, Upstream
 from kvserve.gateway.latency_limit import is_late
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import NoHealthyWorker
 from kvserve.gateway.prepare import Prepared, Refused, prepare_request
-from kvserve.gateway.seniority import Seniority, request_key
+from kvserve.gateway.seniority import Seniority
 from kvserve.gateway.tenancy import Tenancy
 from kvserve.gateway.text_capacity import TextCapacity
 from kvserve.gateway.token_keys import ExactKeys
@@ -292,16 +293,8 @@ class ProxyEndpoint:
                                        self.worker_api_key, self.trusted_salt_key)
         except Refused as exc:
             return _error(exc.status, exc.message, exc.err_type)
-        body = prepared.body
-        if (self.capacity is not None and self.keys.keyer is None
-                and isinstance(body.get("prompt"), str)):
-            self.capacity.sample(body["prompt"])
-        since = None
-        if self.seniority is not None:
-            budget.key = request_key(prepared.salt, path, raw)
-            since = self.seniority.since(budget.key, budget.started)
-            if since < budget.started:
-                self.metrics.resends.inc()
+        budget.key, since = note_arrival(prepared, path, raw, budget.started, self.capacity,
+                                         self.keys.keyer is None, self.seniority, self.metrics)
         try:
             # An SDK client counts a 429 as one of its few retries: it waits its turn.
             slot = await self.admission.admit(

@@ -184,15 +184,19 @@ def test_grpc_health_services(stack: Stack) -> None:
 def test_worker_killed_mid_stream(stack: Stack, model_name: str) -> None:
     dave = stack.client("dave")
     prompt = prompt_of("dave's context")
+    def served() -> list[float]:
+        return [w.metrics().value("vllm:request_success_total") for w in stack.workers]
+
+    before_placing = served()
     dave.completions.create(model=model_name, prompt=prompt, max_tokens=1)  # places it
+    placed = [after - was for after, was in zip(served(), before_placing, strict=True)]
+    assert sorted(placed) == [0, 1], placed
+    victim = stack.workers[placed.index(1)]  # where the tenant's stream goes too
+    survivor = stack.workers[placed.index(0)]
     stream = dave.completions.create(model=model_name, prompt=prompt, stream=True,
                                      max_tokens=150)
     chunks = iter(stream)
     next(chunks)
-    running = [w.metrics().value("vllm:num_requests_running") for w in stack.workers]
-    assert sorted(running) == [0, 1], running
-    victim = stack.workers[running.index(1)]
-    survivor = stack.workers[running.index(0)]
     victim_url = victim.url
     victim.kill()
     started = time.monotonic()

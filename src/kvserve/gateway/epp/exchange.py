@@ -20,13 +20,13 @@ from kvserve.client_timeout import BadTimeout, client_timeout_s, refusals_spend_
 from kvserve.gateway.admission import Saturated, Slot
 from kvserve.gateway.epp import protocol
 from kvserve.gateway.epp.endpoints import Endpoints
-from kvserve.gateway.fleet import Fleet
+from kvserve.gateway.fleet import Fleet, note_arrival
 from kvserve.gateway.forward import ADMIN_KEY_HEADER, PREFILL_URL_HEADER
 from kvserve.gateway.latency_limit import is_late
 from kvserve.gateway.policies import NoHealthyWorker, RouteDecision, RouteRequest
 from kvserve.gateway.prepare import Refused, prepare_request
 from kvserve.gateway.proxy_endpoint import PROXIED_PATHS
-from kvserve.gateway.seniority import Seniority, request_key
+from kvserve.gateway.seniority import Seniority
 from kvserve.gateway.tenancy import SALT_KEY_HEADER, Tenancy
 from kvserve.gateway.worker_pool import WorkerState
 
@@ -175,16 +175,9 @@ class Exchange:
             return [protocol.immediate(exc.status, exc.message, exc.err_type)]
         except BadTimeout as exc:
             return [protocol.immediate(400, str(exc), "invalid_request_error")]
-        body = prepared.body
-        if (fleet.capacity is not None and fleet.keys.keyer is None
-                and isinstance(body.get("prompt"), str)):
-            fleet.capacity.sample(body["prompt"])
-        since = None
-        if picker.seniority is not None:
-            self.key = request_key(prepared.salt, self.path, raw)
-            since = picker.seniority.since(self.key, self.started)
-            if since < self.started:
-                fleet.metrics.resends.inc()
+        self.key, since = note_arrival(prepared, self.path, raw, self.started, fleet.capacity,
+                                       fleet.keys.keyer is None, picker.seniority,
+                                       fleet.metrics)
         deadline = None if self.timeout_s is None else self.started + self.timeout_s
         try:
             # An SDK client counts a 429 as one of its few retries: it waits its turn.
@@ -210,7 +203,7 @@ class Exchange:
         self._dispatch(prepared.route, decision, now)
         ranked = [decision.worker_id] + [u for u in decision.ranked
                                          if u != decision.worker_id and u in eligible]
-        payload = protocol.json_body(body)
+        payload = protocol.json_body(prepared.body)
         return protocol.routed(self.mode, [picker.endpoints.endpoint_of(u) for u in ranked],
                                payload, prepared.headers,
                                picker.client_headers() - set(prepared.headers))
