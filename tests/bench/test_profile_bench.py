@@ -20,7 +20,9 @@ def test_a_quick_profile_with_a_real_server_loads_into_the_simulator(tmp_path: P
     assert "request overhead" in proc.stderr
     profile = load_profile(str(out))
     assert profile.name == "kvserve" and "1 threads" in profile.source
-    # A real server spends time outside engine steps (HTTP, tokenization, hand-off).
-    assert profile.request_overhead_ms > 0.0
+    # The overhead is measured and fitted (a timing: on a busy machine the fit may clamp it at
+    # 0, so its size belongs in benchmarks, not in this test).
+    assert profile.request_overhead_ms >= 0.0
+    assert profile.request_overhead_ms_per_prompt_token >= 0.0
     assert profile.prefill_ms_per_token > 0.0 and profile.decode_base_ms > 0.0
     assert " after 384" in proc.stdout  # a chunk late in the prompt was timed and fitted
