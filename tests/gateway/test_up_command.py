@@ -41,7 +41,7 @@ def test_stopping_up_stops_its_workers(tmp_path: Path, sig: signal.Signals) -> N
         wait_until(lambda: not _serving(workers[0]), 30.0, f"worker {workers[0]} to stop",
                    up.log)
     finally:
-        up.kill()
+        up.stop(30.0)  # SIGINT: up stops its workers (SIGKILL would orphan them)
 
 
 def _answers_the_one_curl_offered(log: str, gateway_url: str) -> None:
