@@ -14,6 +14,7 @@ import pytest
 
 from kvserve.bench.gateway_fleet import RouterSpec
 from kvserve.bench.gateway_load import CounterTotals
+from kvserve.bench.gateway_report import prediction_accuracy
 from kvserve.bench.gateway_workload import (
     BlockTexts,
     GatewayRequest,
@@ -185,6 +186,13 @@ def test_a_small_run_measures_every_router_and_survives_a_worker_kill(tmp_path: 
     cached = [r[3] for r in ideal["per_request"]]
     assert cached[0] == 0 and sum(c > 0 for c in cached) >= 12  # the first is cold, most hit
     assert sum(r[6] for r in runs[("failover", "ideal")]["per_request"]) > 0  # resent
+    # The gateway's predicted cached tokens, paired with the worker's: prefix_hash keeps no
+    # index, so it predicts none; the clients' own split has no gateway to predict.
+    assert ideal["predicted_vs_cached"] == [] and ideal["prediction"] == {}
+    pairs = runs[("base", "kvserve:prefix_hash")]["predicted_vs_cached"]
+    assert [p for p, _ in pairs] == [0] * 18
+    assert [a for _, a in pairs] == [r[3] for r in runs[("base", "kvserve:prefix_hash")]
+                                     ["per_request"]]
     failover = runs[("failover", "kvserve:prefix_hash")]
     assert [a.split(" at ")[0] for a in failover["actions"]] == ["kill worker 1",
                                                                  "restart worker 1"]
@@ -200,6 +208,16 @@ def test_a_small_run_measures_every_router_and_survives_a_worker_kill(tmp_path: 
                                                       base["sim"]["worker_shares"])
     assert failover["sim"] is None  # a killed worker is not simulated
     assert "simulator vs measured" in proc.stdout
+
+
+def test_prediction_accuracy_counts_misses_beyond_one_block() -> None:
+    pairs = [[0, 0], [128, 112], [256, 0], [0, 96], [64, 64]]
+    assert prediction_accuracy(pairs, 16) == {"n": 5, "exact": 2, "within_block": 3,
+                                              "mae_tokens": (16 + 256 + 96) / 5, "over": 1,
+                                              "under": 1}
+    assert prediction_accuracy([], 16) == {}
+    with pytest.raises(ValueError, match="block_tokens"):
+        prediction_accuracy(pairs, 0)
 
 
 def test_calibration_pools_the_requests_of_repeated_runs_before_taking_percentiles() -> None:

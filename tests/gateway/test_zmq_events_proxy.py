@@ -9,8 +9,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+from tokenizers import Tokenizer
 
+from kvserve.gateway.forward import PREDICTED_CACHED_HEADER
 from tests.gateway.conftest import SALT_SECRET, MakeClient
 from tests.gateway.processes import Process, free_port, running_gateway, running_worker_set
 
@@ -79,3 +82,42 @@ def test_the_gateway_follows_kvserve_workers_over_zmq_to_their_blocks(
     hits = gateway.metrics().value("kvserve:gateway_requests_total", worker=worker.url,
                                    branch="precise_hit")
     assert hits == 2
+
+
+def _streamed(url: str, model: str, prompt: str, tenant: str) -> tuple[int, dict[str, object]]:
+    """Stream a completion through the gateway: its predicted cached tokens (header) and the
+    worker's usage (the last chunk's, asked for with include_usage)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    usage: dict[str, object] = {}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body,
+                      headers={"X-Tenant-Id": tenant}, timeout=60) as resp:
+        resp.raise_for_status()
+        predicted = int(resp.headers[PREDICTED_CACHED_HEADER])
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage") or usage
+    return predicted, usage
+
+
+def test_the_gateway_predicts_the_cached_tokens_the_worker_reports(
+        zmq_fleet: tuple[list[Process], Process], tiny_model: Path, model_name: str) -> None:
+    """The header a warm prefix gets is what the worker then serves from its cache."""
+    _, gateway = zmq_fleet
+    tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    # A prompt that ends mid-block: an engine computes at least the last prompt token, so a
+    # prompt of whole blocks reports one block less than it caches.
+    prompt = next(p for p in (PROMPT + "Clause " + "x" * n for n in range(32))
+                  if len(tokenizer.encode(p).ids) % 16)
+    before = sum(sum(s["blocks_by_tier"].values()) for s in kv_state(gateway).values())
+    cold, usage = _streamed(gateway.url, model_name, prompt, "predicted")
+    assert cold == 0 and usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    deadline = time.monotonic() + 10
+    while sum(sum(s["blocks_by_tier"].values()) for s in kv_state(gateway).values()) <= before:
+        assert time.monotonic() < deadline, "the worker's KV events never reached the gateway"
+        time.sleep(0.1)
+    warm, usage = _streamed(gateway.url, model_name, prompt, "predicted")
+    num_tokens = len(tokenizer.encode(prompt).ids)
+    assert usage["prompt_tokens"] == num_tokens
+    assert usage["prompt_tokens_details"] == {"cached_tokens": num_tokens // 16 * 16}
+    assert warm == num_tokens // 16 * 16

@@ -148,7 +148,7 @@ class Bench:
             for r in replicas:
                 r.stop()
         run = summarize(case.name, router.label, case.replicas, requests, results, duration,
-                        poller, log, seed)
+                        poller, log, seed, self.fleet.block_size)
         run.router_stats = stats
         run.cpu_ms_per_request = cpu
         return run

@@ -189,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
                         else max_len,
                         max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, num_threads=1,
-                        extra_args=tuple(args.worker_arg))
+                        # vLLM reports a request's cached prompt tokens only when asked to.
+                        extra_args=tuple(args.worker_arg) + (
+                            ("--enable-prompt-tokens-details",)
+                            if args.worker_server == VLLM else ()))
     err.print(f"working set {working_set} tokens; KV cache {capacity} tokens per worker "
               f"({args.working_set:g}x); {args.workers} {args.worker_server} workers",
               highlight=False)

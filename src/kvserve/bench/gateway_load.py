@@ -17,6 +17,10 @@ streaming, with the tenant in `X-Tenant-Id`. Clients behave like production ones
   read timeout (a router or worker may act on it; none has to);
 - a request not done `deadline_s` after its arrival is lost.
 
+A kvserve gateway says on each answer how many prompt tokens its policy expected the worker to
+have cached (`x-kvserve-predicted-cached-tokens`); the result keeps it beside the worker's own
+`usage.prompt_tokens_details.cached_tokens`, so the prediction is checked per request.
+
 TTFT and end-to-end latency are what the user sees: from the request's first send to the first
 token (the first streamed chunk with a choice, even one whose text is still empty) / the end of
 the attempt that succeeded. Where each attempt goes is the caller's `target`
@@ -41,6 +45,7 @@ import httpx
 
 from kvserve.bench.gateway_workload import GatewayRequest
 from kvserve.client_timeout import SDK_RETRY_COUNT_HEADER, SDK_TIMEOUT_HEADER
+from kvserve.gateway.forward import PREDICTED_CACHED_HEADER
 from kvserve.gateway.scraper import apply_metrics
 from kvserve.gateway.worker_pool import WorkerState
 
@@ -69,6 +74,7 @@ class RequestResult:
     output_tokens: int = 0
     prompt_tokens: int | None = None  # the worker's usage, when it reports one
     cached_tokens: int | None = None  # of those, served from its prefix cache
+    predicted_cached_tokens: int | None = None  # the gateway's prediction, when it says one
     attempts: int = 0
     timeouts: int = 0
     rejections: int = 0  # 429 / 503 answers
@@ -95,6 +101,7 @@ class _Attempt:
     output_tokens: int = 0
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    predicted_cached_tokens: int | None = None
     first_token: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -129,6 +136,9 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, object],
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 raise _Failed(f"HTTP {resp.status_code}: {text[:200]}")
+            predicted = resp.headers.get(PREDICTED_CACHED_HEADER)
+            if predicted is not None:
+                attempt.predicted_cached_tokens = int(predicted)
             done = False
             async for line in resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -216,6 +226,7 @@ async def send_request(client: httpx.AsyncClient, request: GatewayRequest, model
         result.e2e_s = time.perf_counter() - started
         result.output_tokens = attempt.output_tokens
         result.prompt_tokens, result.cached_tokens = attempt.prompt_tokens, attempt.cached_tokens
+        result.predicted_cached_tokens = attempt.predicted_cached_tokens
         return result
     raise AssertionError("unreachable")
 

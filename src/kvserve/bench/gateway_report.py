@@ -6,7 +6,9 @@ end-to-end latency p50/p99 of the requests that completed (from their first send
 waits count), the TTFT p99 of every request with the lost ones counted slower than any (so
 losing requests never buys a better p99), completed requests per second, lost requests (no
 success by the deadline or the retry limit), retries (timed-out or failed attempts resent),
-429/503 answers, and each worker's share of the prompt tokens.
+429/503 answers, and each worker's share of the prompt tokens. Behind a kvserve gateway, the
+policy's predicted cached tokens against the worker's reported ones, per request
+(`prediction_accuracy`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,10 @@ class CaseRun:
     per_request: list[list[float | None]] = field(default_factory=list)
     ttft_p99_with_lost_ms: float = float("nan")  # the lost counted as infinitely slow
     lost_by_error: dict[str, int] = field(default_factory=dict)  # why each lost one was
+    # [predicted, achieved] cached prompt tokens of each completed request that has both (the
+    # gateway's header, the worker's usage), and their summary (`prediction_accuracy`).
+    predicted_vs_cached: list[list[int]] = field(default_factory=list)
+    prediction: dict[str, float] = field(default_factory=dict)
 
     def one_line(self) -> str:
         return (f"hit {self.hit_rate:.3f} · TTFT p50 {self.ttft_ms['p50']:.0f} ms "
@@ -122,14 +128,34 @@ def tail_label(makeup: dict[str, int]) -> str:
     return f"{makeup['n']}: " + (", ".join(parts) if parts else "warm, first try")
 
 
+def prediction_accuracy(pairs: Sequence[Sequence[int]], block_tokens: int) -> dict[str, float]:
+    """How well [predicted, achieved] cached-token pairs agree: `n` pairs, `exact` (equal),
+    `within_block` (apart by at most `block_tokens`, the workers' KV block: an engine computes
+    at least the prompt's last token, so a fully cached prompt reports one block less), the mean
+    absolute error in tokens, and how many were predicted `over` / `under` by more than a
+    block. Empty for no pairs; ValueError for a block size below 1."""
+    if block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+    if not pairs:
+        return {}
+    errors = [predicted - achieved for predicted, achieved in pairs]
+    return {"n": len(pairs), "exact": sum(e == 0 for e in errors),
+            "within_block": sum(abs(e) <= block_tokens for e in errors),
+            "mae_tokens": sum(abs(e) for e in errors) / len(errors),
+            "over": sum(e > block_tokens for e in errors),
+            "under": sum(e < -block_tokens for e in errors)}
+
+
 def _ms(value: float) -> str:
     return "∞" if math.isinf(value) else f"{value:.0f}"
 
 
 def summarize(case: str, router: str, replicas: int, requests: Sequence[GatewayRequest],
               results: Sequence[RequestResult], duration_s: float, poller: CounterPoller,
-              actions: Sequence[str], seed: int = 0) -> CaseRun:
+              actions: Sequence[str], seed: int = 0, block_tokens: int = 16) -> CaseRun:
     ok = [r for r in results if r.ok]
+    pairs = [[r.predicted_cached_tokens, r.cached_tokens] for r in ok
+             if r.predicted_cached_tokens is not None and r.cached_tokens is not None]
     ttfts = sorted(r.ttft_s * 1e3 for r in ok if r.ttft_s is not None)
     return CaseRun(
         case=case, router=router, replicas=replicas, requests=len(requests),
@@ -145,7 +171,8 @@ def summarize(case: str, router: str, replicas: int, requests: Sequence[GatewayR
                       r.rejections, r.timeouts, r.failures]
                      for i, r in enumerate(results) if r.ok and r.ttft_s is not None],
         ttft_p99_with_lost_ms=percentile_with_lost(ttfts, len(results) - len(ok), 99),
-        lost_by_error=dict(Counter(r.error or "unknown" for r in results if not r.ok)))
+        lost_by_error=dict(Counter(r.error or "unknown" for r in results if not r.ok)),
+        predicted_vs_cached=pairs, prediction=prediction_accuracy(pairs, block_tokens))
 
 
 def fill_ideal_gaps(runs: Sequence[CaseRun]) -> None:
@@ -176,6 +203,7 @@ def print_tables(runs: Sequence[CaseRun], title: str) -> None:
             str(r.retries), str(r.rejections),
             "/".join(f"{s:.2f}" for s in r.worker_shares))
     Console(width=200).print(table)
+    print_prediction(runs)
     for r in runs:
         if r.actions or r.errors:
             print(f"{r.case} · {r.router}: " + "; ".join(r.actions + r.errors))
@@ -211,3 +239,25 @@ def print_pooled(runs: Sequence[CaseRun]) -> None:
             str(sum(r.retries for r in group)), str(sum(r.rejections for r in group)),
             tail_label(tail_makeup([row for r in group for row in r.per_request])))
     Console(width=220).print(table)
+
+
+def print_prediction(runs: Sequence[CaseRun]) -> None:
+    """Per run behind a kvserve gateway: the policy's predicted cached tokens against the
+    worker's, per request (`prediction_accuracy`); nothing when no run has both."""
+    rows = [r for r in runs if r.prediction]
+    if not rows:
+        return
+    table = Table(title="predicted vs achieved cached tokens, per request", title_justify="left")
+    for col in ("case", "seed", "router", "requests", "exact", "within a block", "MAE tokens",
+                "over", "under", "achieved mean"):
+        table.add_column(col, justify="left" if col in ("case", "router") else "right")
+    for r in rows:
+        p = r.prediction
+        n = int(p["n"])
+        achieved = sum(a for _, a in r.predicted_vs_cached) / n
+        table.add_row(r.case, str(r.seed), r.router + (f" x{r.replicas}" if r.replicas > 1
+                                                       else ""), str(n),
+                      f"{p['exact'] / n:.2f}", f"{p['within_block'] / n:.2f}",
+                      f"{p['mae_tokens']:.0f}", str(int(p["over"])), str(int(p["under"])),
+                      f"{achieved:.0f}")
+    Console(width=200).print(table)

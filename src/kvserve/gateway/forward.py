@@ -26,6 +26,11 @@ from kvserve.gateway.upstream_http import UpstreamClient, UpstreamError, Upstrea
 from kvserve.gateway.worker_pool import WorkerPool
 
 BACKPRESSURE = (429, 503)
+PREDICTED_CACHED_HEADER = "x-kvserve-predicted-cached-tokens"
+"""On each answer the proxy relays: the prompt tokens the policy expected the worker to have
+cached (`Upstream.predicted_cached_tokens`), so a client can check the routing's prediction
+against the worker's `usage.prompt_tokens_details.cached_tokens`. It says only what the caller's
+own tenant caches: tenant salts keep tenants' blocks apart."""
 PREFILL_URL_HEADER = "X-KVServe-Prefill-Url"  # read by a decode worker, with the admin key
 ADMIN_KEY_HEADER = "X-KVServe-Admin-Key"
 
@@ -51,6 +56,10 @@ class Upstream:
     pool: WorkerPool
     closed: bool = False
     ended: bool = False  # the whole body was read: the worker is done with the request
+    # Prompt tokens the policy expected this worker to serve from its cache: its matched
+    # prefix blocks in the key's tokens (approximate for text keys), at most the prompt. None
+    # where it made no prediction for the worker that answered (a failover, disaggregated).
+    predicted_cached_tokens: int | None = None
 
     async def read(self) -> bytes:
         try:
@@ -198,7 +207,12 @@ class Forwarder:
             worker.requests += 1
             branch = decision.branch if attempt == 0 else "failover"
             self.metrics.requests.labels(url, str(branch), self.policy_name).inc()
+            predicted: int | None = None
             if attempt == 0:
                 self.metrics.predicted_hit_blocks.inc(decision.predicted_hit_blocks)
-            return Upstream(url, response, decision, self.pool)
+                if self.disagg is None:
+                    predicted = min(route.num_tokens,
+                                    decision.predicted_hit_blocks * route.block_tokens)
+            return Upstream(url, response, decision, self.pool,
+                            predicted_cached_tokens=predicted)
         raise last or NoWorkerAvailable("no healthy worker")

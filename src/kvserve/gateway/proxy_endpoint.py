@@ -10,7 +10,8 @@ Contract, per request:
   mid-stream, cancels the request: the upstream connection closes, so the worker aborts it and
   frees its blocks, and the admission slot is returned;
 - a worker that fails mid-stream gives the client an error event and the end marker, never a
-  hang; `x-request-id` is echoed on every answer;
+  hang; `x-request-id` is echoed on every answer, and a worker's answer carries the prompt
+  tokens the policy expected it to have cached (`forward.PREDICTED_CACHED_HEADER`);
 - a client that says how long it waits (`kvserve.client_timeout`) is answered by then: a
   worker that has not started answering by its deadline is closed (freeing its blocks) and the
   client gets a 504, or an error event where the stream had begun; each first byte, and each
@@ -33,7 +34,12 @@ from typing import Any
 from kvserve.client_timeout import BadTimeout, client_timeout_s, refusals_spend_retries
 from kvserve.gateway.admission import Admission, Saturated, Slot
 from kvserve.gateway.fleet import note_arrival
-from kvserve.gateway.forward import Forwarder, NoWorkerAvailable, Upstream
+from kvserve.gateway.forward import (
+    PREDICTED_CACHED_HEADER,
+    Forwarder,
+    NoWorkerAvailable,
+    Upstream,
+)
 from kvserve.gateway.latency_limit import is_late
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import NoHealthyWorker
@@ -216,6 +222,9 @@ class ProxyEndpoint:
         try:
             content_type = upstream.response.headers.get("content-type", "application/json")
             status = upstream.response.status_code
+            predicted = upstream.predicted_cached_tokens
+            extra = echo if predicted is None else (
+                (PREDICTED_CACHED_HEADER.encode(), b"%d" % predicted), *echo)
             if not content_type.startswith("text/event-stream"):
                 try:
                     async with asyncio.timeout(budget.left_s()):
@@ -230,10 +239,10 @@ class ProxyEndpoint:
                     reply = _Reply(status, content, content_type.encode("latin-1"))
                     self._served(budget)
                 self._first_byte(budget)
-                await _send_reply(send, reply, echo)
+                await _send_reply(send, reply, extra)
                 return
             await send({"type": "http.response.start", "status": status, "headers": [
-                (b"content-type", content_type.encode("latin-1")), *echo]})
+                (b"content-type", content_type.encode("latin-1")), *extra]})
             await self._relay(upstream, send, budget)
         finally:
             # Before anything can suspend (and before the slot's release, which follows at
