@@ -148,7 +148,9 @@ class Bench:
             for r in replicas:
                 r.stop()
         run = summarize(case.name, router.label, case.replicas, requests, results, duration,
-                        poller, log, seed, self.fleet.block_size)
+                        poller, log, seed, self.fleet.block_size,
+                        text_keyed=router.policy != "precise" and not any(
+                            f.startswith("--tokenizer") for f in router.flags))
         run.router_stats = stats
         run.cpu_ms_per_request = cpu
         return run

@@ -24,6 +24,7 @@ from rich.table import Table
 
 from kvserve.bench.gateway_load import CounterPoller, RequestResult
 from kvserve.bench.gateway_workload import GatewayRequest
+from kvserve.gateway.prefix import CHARS_PER_TOKEN
 from kvserve.percentiles import at_rank, percentile
 
 
@@ -146,16 +147,29 @@ def prediction_accuracy(pairs: Sequence[Sequence[int]], block_tokens: int) -> di
             "under": sum(e < -block_tokens for e in errors)}
 
 
+def _predicted_tokens(result: RequestResult, request: GatewayRequest, text_keyed: bool) -> int:
+    predicted = result.predicted_cached_tokens
+    assert predicted is not None
+    if not text_keyed or not result.prompt_tokens:
+        return predicted
+    return round(predicted * CHARS_PER_TOKEN * result.prompt_tokens / len(request.prompt))
+
+
 def _ms(value: float) -> str:
     return "∞" if math.isinf(value) else f"{value:.0f}"
 
 
 def summarize(case: str, router: str, replicas: int, requests: Sequence[GatewayRequest],
               results: Sequence[RequestResult], duration_s: float, poller: CounterPoller,
-              actions: Sequence[str], seed: int = 0, block_tokens: int = 16) -> CaseRun:
+              actions: Sequence[str], seed: int = 0, block_tokens: int = 16,
+              text_keyed: bool = False) -> CaseRun:
+    """One run's figures. `block_tokens`: the workers' KV block; `text_keyed`: the gateway's
+    policy keys prompts by characters, so its predicted tokens are characters over
+    CHARS_PER_TOKEN, converted here to the worker's tokens at the prompt's own ratio."""
     ok = [r for r in results if r.ok]
-    pairs = [[r.predicted_cached_tokens, r.cached_tokens] for r in ok
-             if r.predicted_cached_tokens is not None and r.cached_tokens is not None]
+    pairs = [[_predicted_tokens(r, q, text_keyed), r.cached_tokens]
+             for q, r in zip(requests, results, strict=True) if r.ok
+             and r.predicted_cached_tokens is not None and r.cached_tokens is not None]
     ttfts = sorted(r.ttft_s * 1e3 for r in ok if r.ttft_s is not None)
     return CaseRun(
         case=case, router=router, replicas=replicas, requests=len(requests),
