@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from benchmarks import (
     attention_cli,
     disagg_cli,
+    gateway_cli,
     grammar_cli,
     preemption_cli,
     profile_cli,
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="kvserve's development harnesses (benchmarks/README.md); `kvserve bench` "
                     "holds what a user runs against their own deployment.")
     commands = parser.add_subparsers(dest="bench", required=True, metavar="COMMAND")
+    gateway_cli.add_parser(commands)
     profile_cli.add_parser(commands)
     disagg_cli.add_parser(commands)
     preemption_cli.add_parser(commands)

@@ -1,6 +1,6 @@
 """`python -m benchmarks.gateway_keys`: what keying one prompt costs the gateway's event loop
 under the `precise` policy, tokenizing every prompt in full (before) and through the tokenizer
-memo (after), on `kvserve bench gateway`'s own workload: the same multi-tenant trace, prompt
+memo (after), on `python -m benchmarks gateway`'s own workload: the same multi-tenant trace, prompt
 texts and model tokenizer (`--model tiny`: the demo tokenizer its workers load).
 
 Each pass starts a cold keyer, as a freshly started gateway has, and keys the requests in arrival

@@ -11,12 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from kvserve import __version__
-from kvserve.bench import (
-    engine_cli,
-    gateway_cli,
-    kvcache_cli,
-    serve_cli,
-)
+from kvserve.bench import engine_cli, kvcache_cli, routers_cli, serve_cli
 from kvserve.gateway import command as gateway_command
 from kvserve.gateway.epp import command as epp_command
 from kvserve.ops import doctor_command
@@ -36,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     kvcache_cli.add_parser(benches)
     engine_cli.add_parser(benches)
     serve_cli.add_parser(benches)
-    gateway_cli.add_parser(benches)
+    routers_cli.add_parser(benches)
     serve_command.add_parser(commands)
     gateway_command.add_parsers(commands)
     epp_command.add_parser(commands)
