@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.__main__ import build_parser as benchmarks_parser
+from kvserve.bench.peers_env import peer_driver, vllm_unavailable
 from kvserve.cli import build_parser as kvserve_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -68,3 +69,16 @@ def test_every_documented_benchmark_command_parses(doc: Path,
         except SystemExit:
             bad.append(f"{line}: {capsys.readouterr().err.strip().splitlines()[-1]}")
     assert bad == []
+
+
+def test_the_vllm_drivers_are_found_in_a_clone_and_their_absence_is_named(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    driver = peer_driver("vllm_kvcache_driver.py")
+    assert driver == ROOT / "benchmarks" / "peers" / "vllm_kvcache_driver.py"
+    assert peer_driver("no_such_driver.py") is None
+    assert "run this from a clone" in (vllm_unavailable(None) or "")
+    monkeypatch.setenv("KVSERVE_VLLM_PYTHON", str(tmp_path / "absent"))
+    assert "vLLM is not installed" in (vllm_unavailable(driver) or "")
+    (tmp_path / "python").touch()
+    monkeypatch.setenv("KVSERVE_VLLM_PYTHON", str(tmp_path / "python"))
+    assert vllm_unavailable(driver) is None

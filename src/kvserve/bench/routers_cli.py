@@ -160,8 +160,8 @@ def run(args: argparse.Namespace) -> int:
             fleet = Fleet(args.worker_server, launch, args.workers, Path(tmp),
                           args.startup_timeout, kv_events=precise)
             err.print(f"local fleet: {args.workers} {args.worker_server} workers, KV cache "
-                      f"{capacity} tokens each ({args.working_set:g}x below the working set)",
-                      highlight=False)
+                      f"{capacity} tokens each (the shared prefixes are {args.working_set:g}x "
+                      "that)", highlight=False)
         try:
             if fleet is not None:
                 fleet.start()
