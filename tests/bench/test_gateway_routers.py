@@ -63,6 +63,22 @@ def test_routers_run_side_by_side_on_your_workers_each_from_a_cold_cache(
     assert runs["kvserve:prefix_hash"]["cpu_ms_per_request"]["router"] > 0.0
 
 
+def test_without_workers_a_local_fleet_serves_the_runs(
+        model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "local.json"
+    assert main(["bench", "gateway", "--workers", "1", "--routers", "ideal,kvserve:round_robin",
+                 "--model", str(model_dir), "--tenants", "2", "--requests", "6", "--rate", "6",
+                 "--prefix-tokens", "512,600", "--suffix-tokens", "16,32", "--output-tokens",
+                 "2", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["config"]["served_model_name"] is None
+    runs = {r["router"]: r for r in report["runs"]}
+    assert set(runs) == {"ideal", "kvserve:round_robin"}
+    for run in runs.values():
+        assert run["completed"] == 6 and run["hit_rate"] > 0.0, run
+        assert "workers" in run["cpu_ms_per_request"]  # the fleet's own processes, measured
+
+
 def test_a_worker_that_names_no_model_is_a_clear_error(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "gateway", "--worker", "http://127.0.0.1:9", "--routers",
