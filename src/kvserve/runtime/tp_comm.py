@@ -184,7 +184,7 @@ class HeartbeatReader:
 
     def __init__(self, store: Store) -> None:
         self._store = store
-        self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (beat, first seen, monotonic)
+        self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (beat, monotonic first seen)
 
     def read(self, rank: int) -> tuple[int, str, float] | None:
         """(step id, phase, seconds the beat has not changed) of `rank`; None if it never beat."""

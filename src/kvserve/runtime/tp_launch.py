@@ -233,9 +233,13 @@ class RankGroup:
 
 
 def run_node(args: EngineArgs, rendezvous: Rendezvous) -> int:
-    """A node other than rank 0's: start its ranks and wait; the first failure's exit code."""
+    """A node other than rank 0's: start its ranks and wait; the first failure's exit code.
+    Stopped (Ctrl-C, a signal), it exits and its ranks follow (tp_worker.exit_with_parent)."""
     procs = spawn_ranks(args, rendezvous, rendezvous.local_ranks())
-    codes = [proc.wait() for proc in procs.values()]
+    try:
+        codes = [proc.wait() for proc in procs.values()]
+    except KeyboardInterrupt:
+        return 130
     return next((c for c in codes if c), 0)
 
 
