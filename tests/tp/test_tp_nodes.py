@@ -3,7 +3,8 @@
 two machines. Node 0's openai client gets transformers' greedy tokens (which TP=1 matches); a
 node 1 started with another --tensor-parallel-size and --model is a named error on both nodes;
 killing node 1's process ends node 0's in-flight request with an error naming rank 1 and the
-collective, /health turns 503, node 0 exits with code 3, and no rank process is left."""
+collective, /health turns 503, node 0 exits with code 3, and no rank process is left.
+--nnodes without tensor parallelism is refused."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import httpx
 import openai
 import pytest
 
+from kvserve.cli import main
 from tests.ops.processes import Server, free_port
 from tests.runtime.conftest import random_prompt
 from tests.tp.parity import complete, hf_tokens, openai_client, same
@@ -73,6 +75,13 @@ def test_a_mismatched_node_is_a_named_error_on_both_nodes(tp_checkpoints, tmp_pa
         assert (f"--model: rank 1 has {tp_checkpoints['qwen2_bias_tied']} (config.json), "
                 f"rank 0 has {tp_checkpoints[ARCH]} (config.json)") in log, log
     assert "cannot start" in node0.log()
+
+
+def test_nodes_without_tensor_parallelism_are_refused(tp_checkpoints, capsys):
+    assert main(["serve", "--model", str(tp_checkpoints[ARCH]), "--nnodes", "2",
+                 "--node-rank", "1"]) == 2
+    stderr = " ".join(capsys.readouterr().err.split())
+    assert "give every node the same --tensor-parallel-size > 1" in stderr, stderr
 
 
 def test_node_0_serves_greedy_parity(nodes, tp_checkpoints):

@@ -234,6 +234,9 @@ def run(args: argparse.Namespace) -> int:
                      if args.kv_events_config else None)
         engine_args = engine_args_from(args)
         rendezvous = None
+        if engine_args.tensor_parallel_size == 1 and (args.nnodes, args.node_rank) != (1, 0):
+            raise ValueError("--nnodes and --node-rank spread tensor-parallel ranks over nodes: "
+                             "give every node the same --tensor-parallel-size > 1")
         if engine_args.tensor_parallel_size > 1:
             rendezvous = Rendezvous.from_env(engine_args.tensor_parallel_size, args.nnodes,
                                              args.node_rank)
