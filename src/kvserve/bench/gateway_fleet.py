@@ -80,6 +80,13 @@ class RouterSpec:
         return "@".join((f"{self.kind}:{self.policy}", *self.options, *self.flags))
 
     @property
+    def keys_text(self) -> bool:
+        """Whether a kvserve router keys prompts by characters (so its predicted cached tokens
+        are estimates): every policy but `precise`, unless given a tokenizer."""
+        return self.policy != "precise" and not any(f.startswith("--tokenizer")
+                                                    for f in self.flags)
+
+    @property
     def gateway_args(self) -> list[str]:
         """The `kvserve gateway` arguments for the options and flags."""
         return [*(f"--policy-option={option}" for option in self.options), *self.flags]
