@@ -121,3 +121,8 @@ def test_the_gateway_predicts_the_cached_tokens_the_worker_reports(
     assert usage["prompt_tokens"] == num_tokens
     assert usage["prompt_tokens_details"] == {"cached_tokens": num_tokens // 16 * 16}
     assert warm == num_tokens // 16 * 16
+    whole = httpx.post(f"{gateway.url}/v1/completions", headers={"X-Tenant-Id": "predicted"},
+                       json={"model": model_name, "prompt": prompt, "max_tokens": 2},
+                       timeout=60)
+    assert whole.headers[PREDICTED_CACHED_HEADER] == str(warm)  # unstreamed answers too
+    assert whole.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": warm}
