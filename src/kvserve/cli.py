@@ -26,6 +26,7 @@ from kvserve.bench import (
     tp_cli,
 )
 from kvserve.gateway import command as gateway_command
+from kvserve.gateway import up_command
 from kvserve.gateway.epp import command as epp_command
 from kvserve.ops import doctor_command
 from kvserve.server import command as serve_command
@@ -54,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     structured_cli.add_parser(benches)
     serve_command.add_parser(commands)
     gateway_command.add_parsers(commands)
+    up_command.add_parser(commands)
     epp_command.add_parser(commands)
     simulate_command.add_parser(commands)
     doctor_command.add_parser(commands)
