@@ -9,11 +9,13 @@ import logging
 
 import pytest
 import zmq.asyncio
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
+from kvserve.gateway.fleet import build_fleet
 from kvserve.gateway.kv_event_metrics import KvEventCollector
 from kvserve.gateway.kv_event_source import EventSource
 from kvserve.gateway.policies import PrecisePolicy
+from kvserve.gateway.settings import GatewaySettings
 from kvserve.gateway.zmq_events import ZmqEventFollower
 from kvserve.kvevents.wire import AllCleared, RemovedBlocks
 from tests.gateway.test_zmq_events import URL, block, held, model, until
@@ -133,3 +135,21 @@ def test_a_worker_that_publishes_nothing_is_named_once_and_its_index_unknown(
     assert len(said) == 1
     assert f"--worker-kv-events {silent}=tcp://*:5557" in said[0]
     assert "--kv-events-config" in said[0]
+
+
+def test_every_front_end_exports_the_series_from_the_fleet_it_builds() -> None:
+    """The proxy and `kvserve epp` both build their routing state with `build_fleet`."""
+    url = "http://127.0.0.1:9"
+    every = EventSource("tcp://*:5557", "tcp://*:5558")
+    fleet = build_fleet(GatewaySettings(workers=(url,), policy="precise",
+                                        kv_events_default=every))
+    assert fleet.subscriber is not None and fleet.subscriber.default == every
+    text = generate_latest(fleet.metrics.registry).decode()
+    for family in ("kv_events_total counter", "kv_event_gaps_total counter",
+                   "kv_event_replays_total counter", "kv_event_resyncs_total counter",
+                   "kv_index_synced gauge"):
+        assert f"# TYPE kvserve:gateway_{family}\n" in text
+    asyncio.run(fleet.subscriber.stop())
+    with pytest.raises(ValueError, match="feeds --policy precise's index"):
+        build_fleet(GatewaySettings(workers=(url,), policy="cache_aware",
+                                    kv_events_default=every))
