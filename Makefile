@@ -39,7 +39,7 @@ bench-kvcache: venv
 	fi
 
 lint: venv
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests benchmarks
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 

@@ -11,20 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from kvserve import __version__
-from kvserve.bench import (
-    attention_cli,
-    disagg_cli,
-    engine_cli,
-    gateway_cli,
-    grammar_cli,
-    kvcache_cli,
-    preemption_cli,
-    profile_cli,
-    router_cpu_cli,
-    serve_cli,
-    structured_cli,
-    tp_cli,
-)
+from kvserve.bench import engine_cli, kvcache_cli, routers_cli, serve_cli
 from kvserve.gateway import command as gateway_command
 from kvserve.gateway import up_command
 from kvserve.gateway.epp import command as epp_command
@@ -39,20 +26,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"kvserve {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    bench = commands.add_parser("bench", help="benchmarks, side by side with peers")
+    bench = commands.add_parser("bench", help="measure your own deployment: cache, engine, "
+                                "server, gateway (development harnesses: benchmarks/)")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     kvcache_cli.add_parser(benches)
     engine_cli.add_parser(benches)
     serve_cli.add_parser(benches)
-    gateway_cli.add_parser(benches)
-    profile_cli.add_parser(benches)
-    disagg_cli.add_parser(benches)
-    preemption_cli.add_parser(benches)
-    tp_cli.add_parser(benches)
-    attention_cli.add_parser(benches)
-    router_cpu_cli.add_parser(benches)
-    grammar_cli.add_parser(benches)
-    structured_cli.add_parser(benches)
+    routers_cli.add_parser(benches)
     serve_command.add_parser(commands)
     gateway_command.add_parsers(commands)
     up_command.add_parser(commands)

@@ -1,5 +1,5 @@
-"""`kvserve bench attention` on the tiny model's shapes: every call is checked against PyTorch's
-before it is timed, and each row reports both systems."""
+"""`python -m benchmarks attention` on the tiny model's shapes: every call is checked against
+PyTorch's before it is timed, and each row reports both systems."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvserve.cli import main
+from benchmarks.__main__ import main
 from kvserve.model import cpu_kernels
 
 
@@ -15,7 +15,7 @@ from kvserve.model import cpu_kernels
                     reason="kvserve's CPU kernels are not available here (needs x86-64 with "
                            "AVX-512 and a C compiler)")
 def test_a_tiny_run_reports_every_call(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "attention", "--model", "tiny", "--repeats", "1", "--threads", "1",
+    assert main(["attention", "--model", "tiny", "--repeats", "1", "--threads", "1",
                  "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["call"] for r in rows] == [
@@ -28,4 +28,4 @@ def test_a_tiny_run_reports_every_call(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_bad_repeats_is_a_clear_error() -> None:
     with pytest.raises(SystemExit, match="--repeats and --threads must be at least 1"):
-        main(["bench", "attention", "--repeats", "0"])
+        main(["attention", "--repeats", "0"])

@@ -1,5 +1,5 @@
-"""`kvserve bench disagg` end to end on a very small model: both fleets start, the mix runs, and
-the disaggregated fleet's report counts KV blocks actually transferred."""
+"""`python -m benchmarks disagg` end to end on a very small model: both fleets start, the mix
+runs, and the disaggregated fleet's report counts KV blocks actually transferred."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.cli import main
+from benchmarks.__main__ import main
 from kvserve.model import demo_model_config, write_random_checkpoint
 
 TINY = demo_model_config() | {"hidden_size": 64, "intermediate_size": 128,
@@ -24,7 +24,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_short_run_reports_both_fleets_and_the_transfer(model_dir: Path, capsys) -> None:
-    code = main(["bench", "disagg", "--model", str(model_dir), "--duration", "1.5",
+    code = main(["disagg", "--model", str(model_dir), "--duration", "1.5",
                  "--warmup", "0.5", "--num-decoders", "2", "--decode-output-len", "8",
                  "--long-prompt-len", "80", "--long-every", "0.4", "--max-model-len", "256",
                  "--kv-cache-memory-bytes", str(1 << 22), "--decode-host-tier-bytes",
@@ -42,5 +42,5 @@ def test_a_short_run_reports_both_fleets_and_the_transfer(model_dir: Path, capsy
 
 
 def test_bad_modes_are_refused_before_anything_starts(capsys) -> None:
-    assert main(["bench", "disagg", "--modes", "split"]) == 2
+    assert main(["disagg", "--modes", "split"]) == 2
     assert "--modes" in capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""`kvserve bench gateway`: its workload, its client-side pieces, and one real small run."""
+"""`python -m benchmarks gateway` (the case suite) and the pieces it shares with `kvserve bench
+gateway`: its workload, its client-side pieces, and one real small run."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import with_repo_on_path
 from kvserve.bench.gateway_fleet import RouterSpec
 from kvserve.bench.gateway_load import CounterTotals
 from kvserve.bench.gateway_workload import (
@@ -141,9 +143,10 @@ def test_worker_args_reach_the_workers_command_and_refuse_calibration(tmp_path: 
     cmd, _ = server_command(KVSERVE, spec, 9999)
     assert cmd[-1] == "--kv-host-tier-bytes=4096" and "serve" in cmd
     proc = subprocess.run(
-        [sys.executable, "-m", "kvserve.cli", "bench", "gateway", "--calibrate", "zero",
+        [sys.executable, "-m", "benchmarks", "gateway", "--calibrate", "zero",
          "--worker-arg=--kv-host-tier-bytes=4096"],
-        capture_output=True, text=True, timeout=120, check=False)
+        capture_output=True, text=True, timeout=120, env=with_repo_on_path(os.environ),
+        check=False)
     assert proc.returncode == 2 and "drop --worker-arg" in proc.stderr
 
 
@@ -152,10 +155,10 @@ def test_a_small_run_measures_every_router_and_survives_a_worker_kill(tmp_path: 
     with a message. Calibration exercises the simulator on the same trace (instant steps:
     the numbers are not the point here, the plumbing is)."""
     out = tmp_path / "gw.json"
-    env = dict(os.environ, PEERS=str(tmp_path / "no-peers"))
+    env = with_repo_on_path(dict(os.environ, PEERS=str(tmp_path / "no-peers")))
     env.pop("KVSERVE_SGLANG_ROUTER", None)
     proc = subprocess.run(
-        [sys.executable, "-m", "kvserve.cli", "bench", "gateway", "--cases", "base,failover",
+        [sys.executable, "-m", "benchmarks", "gateway", "--cases", "base,failover",
          "--routers", "ideal,kvserve:prefix_hash,sglang:cache_aware", "--tenants", "3",
          "--requests", "18", "--rate", "6", "--prefix-tokens", "512,1024",
          "--suffix-tokens", "16,32", "--output-tokens", "4", "--calibrate", "zero",
@@ -203,7 +206,7 @@ def test_a_small_run_measures_every_router_and_survives_a_worker_kill(tmp_path: 
 
 
 def test_calibration_pools_the_requests_of_repeated_runs_before_taking_percentiles() -> None:
-    from kvserve.bench.gateway_calibrate import calibration_rows
+    from benchmarks.gateway_calibrate import calibration_rows
     from kvserve.bench.gateway_report import CaseRun
 
     def run(seed: int, ttfts: list[float]) -> CaseRun:

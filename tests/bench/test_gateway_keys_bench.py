@@ -1,4 +1,4 @@
-"""`python -m kvserve.bench.gateway_keys`: one small run keys every request exactly as a full
+"""`python -m benchmarks.gateway_keys`: one small run keys every request exactly as a full
 tokenization does, and takes the memo's splice path for all but each tenant's first request."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from kvserve.bench.gateway_keys import main
+from benchmarks.gateway_keys import main
 from kvserve.runtime.demo_model import ensure_demo_model
 
 

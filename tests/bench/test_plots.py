@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.__main__ import main as benchmarks_main
 from kvserve.bench.gateway_report import CaseRun
 from kvserve.bench.plots import GATEWAY_CDF_PNG, GATEWAY_HIT_PNG, gateway_plots
 from kvserve.cli import main
@@ -49,7 +50,7 @@ def test_plot_without_matplotlib_is_refused_before_the_run(
                  "--plot", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "pip install 'kvserve[plot]'" in err and "running kvserve" not in err
-    assert main(["bench", "gateway", "--plot", str(tmp_path)]) == 2
+    assert benchmarks_main(["gateway", "--plot", str(tmp_path)]) == 2
     assert "pip install 'kvserve[plot]'" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
 

@@ -1,4 +1,4 @@
-"""`kvserve bench preemption` on a tiny run: both modes give the same tokens, swap mode
+"""`python -m benchmarks preemption` on a tiny run: both modes give the same tokens, swap mode
 recomputes nothing, and every preemption of swap mode is a swap."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-from kvserve.cli import main
+from benchmarks.__main__ import main
 
 
 def test_a_tiny_run_compares_swap_and_recompute(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "preemption", "--num-prompts", "4", "--prompt-len", "16",
+    assert main(["preemption", "--num-prompts", "4", "--prompt-len", "16",
                  "--output-len", "16", "--num-kv-blocks", "4", "--threads", "1",
                  "--no-recompute-host-tier", "--json"]) == 0
     rows = {row["mode"]: row for row in map(json.loads, capsys.readouterr().out.splitlines())}

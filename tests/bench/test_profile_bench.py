@@ -1,20 +1,23 @@
-"""`kvserve bench profile`: a quick real measurement that the simulator can load."""
+"""`python -m benchmarks profile`: a quick real measurement that the simulator can load."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import with_repo_on_path
 from kvserve.sim.profiles import load_profile
 
 
 def test_a_quick_profile_with_a_real_server_loads_into_the_simulator(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvserve.cli", "bench", "profile", "--quick", "--server",
+        [sys.executable, "-m", "benchmarks", "profile", "--quick", "--server",
          "--threads", "1", "--repeats", "1", "--decode-steps", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=300, check=False)
+        capture_output=True, text=True, timeout=300, env=with_repo_on_path(os.environ),
+        check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "chunked prefill of 512 tokens" in proc.stderr
     assert "request overhead" in proc.stderr

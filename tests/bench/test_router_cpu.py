@@ -1,4 +1,4 @@
-"""`kvserve bench router-cpu` and its stub workers: real processes on loopback ports."""
+"""`python -m benchmarks router-cpu` and its stub workers: real processes on loopback ports."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvserve.bench.stub_worker import StubWorker
+from benchmarks import with_repo_on_path
+from benchmarks.stub_worker import StubWorker
 from kvserve.gateway.scraper import read_series
 
 
@@ -36,9 +37,9 @@ def test_the_stub_worker_streams_its_tokens_and_reports_vllm_series(tmp_path: Pa
 
 
 def _bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PEERS=str(tmp_path / "no-peers"))
+    env = with_repo_on_path(dict(os.environ, PEERS=str(tmp_path / "no-peers")))
     env.pop("KVSERVE_SGLANG_ROUTER", None)
-    return subprocess.run([sys.executable, "-m", "kvserve.cli", "bench", "router-cpu", *args],
+    return subprocess.run([sys.executable, "-m", "benchmarks", "router-cpu", *args],
                           capture_output=True, text=True, timeout=240, env=env, check=False)
 
 

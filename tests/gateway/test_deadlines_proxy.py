@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvserve.bench.stub_worker import StubWorker
+from benchmarks.stub_worker import StubWorker
 from kvserve.model import write_random_checkpoint
 from tests.gateway.processes import Process, running_gateway, running_workers, wait_until
 from tests.model.arch_configs import base_config

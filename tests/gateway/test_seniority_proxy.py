@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvserve.bench.stub_worker import StubWorker
+from benchmarks.stub_worker import StubWorker
 from tests.gateway.processes import Process, running_gateway, wait_until
 
 DELAY_S = 3.0  # the stub's time to an answer: one request at a time, so one every DELAY_S

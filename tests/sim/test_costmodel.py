@@ -72,7 +72,7 @@ def test_builtin_profiles_are_the_fit_of_the_splitwise_measurements(name: str) -
 
 
 def test_measured_profile_fit_clamps_negative_coefficients() -> None:
-    from kvserve.bench.profile_cli import _fit
+    from benchmarks.profile_cli import _fit
 
     rows = [(1.0, float(x), 0.0) for x in (1, 2, 4, 8)]
     rows[2] = (1.0, 4.0, 1.0)  # a third feature that only adds noise, pulling negative
@@ -134,7 +134,7 @@ def test_the_request_overhead_grows_with_the_prompt() -> None:
 
 
 def test_the_overhead_fit_is_the_line_through_both_shapes() -> None:
-    from kvserve.bench.profile_overhead import OverheadPoint, fit_overhead
+    from benchmarks.profile_overhead import OverheadPoint, fit_overhead
 
     short = OverheadPoint("short", 65, ttft_ms=10.0, step_ms=5.0)  # 5 ms outside the step
     long = OverheadPoint("long", 2565, ttft_ms=25.0, step_ms=15.0)  # 10 ms outside

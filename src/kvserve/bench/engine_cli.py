@@ -3,7 +3,8 @@ vLLM's CPU build and transformers' batched `generate`, on the same token ids, in
 
 All systems: float32, greedy, EOS ignored, exactly `max_tokens` per request, the same torch/OpenMP
 thread count, prefix caching on where the system has it, the same KV cache budget (kvserve and
-vLLM). What each system times is stated in engine_systems.py and peers/vllm_engine_driver.py.
+vLLM). What each system times is stated in engine_systems.py and the repository's
+benchmarks/peers/vllm_engine_driver.py.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from kvserve.bench.engine_workloads import (
     build_workload,
     ensure_bench_model,
 )
-from kvserve.bench.peers_env import missing_peer_message, vllm_python
+from kvserve.bench.peers_env import peer_driver, vllm_python, vllm_unavailable
 from kvserve.bench.plots import ENGINE_PNG, PlotsUnavailable, engine_plot, require_plots
 
-DRIVER = Path(__file__).parent / "peers" / "vllm_engine_driver.py"
+DRIVER = peer_driver("vllm_engine_driver.py")
 PEERS = (VLLM, HF)
 
 
@@ -81,8 +82,7 @@ def chosen_peers(requested: list[str]) -> dict[str, str | None]:
     auto = "auto" in requested
     peers: dict[str, str | None] = {}
     if auto or VLLM in requested:
-        peers[VLLM] = None if vllm_python() else missing_peer_message("vLLM",
-                                                                      "KVSERVE_VLLM_PYTHON")
+        peers[VLLM] = vllm_unavailable(DRIVER)
     if auto or HF in requested:
         try:
             import transformers  # noqa: F401

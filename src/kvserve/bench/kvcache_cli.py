@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvserve.bench.kvcache_replay import ReplayResult, replay_trace
-from kvserve.bench.peers_env import missing_peer_message, vllm_python
+from kvserve.bench.peers_env import peer_driver, vllm_python, vllm_unavailable
 from kvserve.workload import (
     MultiTenantSpec,
     TraceFormatError,
@@ -25,7 +25,7 @@ from kvserve.workload import (
 )
 
 MULTI_TENANT = "multi-tenant"
-DRIVER = Path(__file__).parent / "peers" / "vllm_kvcache_driver.py"
+DRIVER = peer_driver("vllm_kvcache_driver.py")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -78,13 +78,13 @@ def run(args: argparse.Namespace) -> int:
     except TraceFormatError as exc:
         err.print(f"[red]{exc}[/]", soft_wrap=True)
         return 2
-    use_vllm = args.peer == "vllm" or (args.peer == "auto" and vllm_python() is not None)
-    if args.peer == "vllm" and vllm_python() is None:
-        err.print(f"[red]{missing_peer_message('vLLM', 'KVSERVE_VLLM_PYTHON')}[/]", soft_wrap=True)
+    unavailable = vllm_unavailable(DRIVER)
+    use_vllm = args.peer == "vllm" or (args.peer == "auto" and unavailable is None)
+    if args.peer == "vllm" and unavailable is not None:
+        err.print(f"[red]{unavailable}[/]", soft_wrap=True)
         return 2
     if args.peer == "auto" and not use_vllm:
-        note = missing_peer_message("vLLM", "KVSERVE_VLLM_PYTHON")
-        err.print(f"[yellow]{note}[/]", soft_wrap=True)
+        err.print(f"[yellow]{unavailable}[/]", soft_wrap=True)
 
     rows: list[tuple[ReplayResult, dict[str, object] | None]] = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -29,6 +29,23 @@ def missing_peer_message(name: str, env_var: str) -> str:
     )
 
 
+def peer_driver(name: str) -> Path | None:
+    """A driver of the repository's benchmarks/peers, or None outside a clone: drivers run inside
+    the peer's own interpreter, so they ship with the repository, not with the package."""
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "peers" / name
+    return path if path.exists() else None
+
+
+def vllm_unavailable(driver: Path | None) -> str | None:
+    """Why vLLM cannot be measured through `driver` (a `peer_driver`), or None when it can."""
+    if driver is None:
+        return ("vLLM is not measured: its drivers ship with kvserve's repository "
+                "(benchmarks/peers), not the package; run this from a clone")
+    if vllm_python() is None:
+        return missing_peer_message("vLLM", "KVSERVE_VLLM_PYTHON")
+    return None
+
+
 def sglang_router_binary() -> Path | None:
     """SGLang's router launcher: `$KVSERVE_SGLANG_ROUTER`, else the PEERS venv's script."""
     explicit = os.environ.get("KVSERVE_SGLANG_ROUTER")

@@ -2,10 +2,10 @@
 
 - `kvserve bench engine`: engine_tokens_per_s.png, output tokens/s of every system per model and
   workload (kvserve against vLLM and Hugging Face), skipped systems left out.
-- `kvserve bench gateway`: gateway_hit_rate.png (per case, each router's mean hit rate over its
-  seeds, the bar spanning min to max) and gateway_ttft_cdf.png (per case, each router's TTFT CDF
-  pooled over its seeds, as a share of every request sent, so lost requests keep a curve below
-  100%).
+- `python -m benchmarks gateway`: gateway_hit_rate.png (per case, each router's mean hit rate
+  over its seeds, the bar spanning min to max) and gateway_ttft_cdf.png (per case, each router's
+  TTFT CDF pooled over its seeds, as a share of every request sent, so lost requests keep a curve
+  below 100%).
 
 matplotlib (the `plot` extra) is imported only here, on the Agg backend, so no display is needed;
 without it `PlotsUnavailable` says how to install it.
@@ -85,7 +85,7 @@ def _router_label(run: Any) -> str:
 
 
 def gateway_plots(runs: Sequence[Any], out_dir: Path, title: str) -> list[Path]:
-    """The hit-rate bars and the TTFT CDFs of `kvserve bench gateway` runs (`CaseRun`s: case,
+    """The hit-rate bars and the TTFT CDFs of `python -m benchmarks gateway` runs (`CaseRun`s: case,
     router, replicas, hit_rate, ttfts_ms, requests), one panel per case. Returns the paths."""
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -137,7 +137,7 @@ class CostProfile:
 
     @classmethod
     def from_file(cls, path: str | Path) -> Self:
-        """Read a profile written by `to_json` (e.g. by `kvserve bench profile`)."""
+        """Read a profile written by `to_json` (e.g. by `python -m benchmarks profile`)."""
         path = Path(path)
         try:
             data = json.loads(path.read_text())

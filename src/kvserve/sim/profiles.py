@@ -4,8 +4,9 @@
 output of `splitwise_fit.fit_splitwise` on the Splitwise simulator's perf_model.csv (MIT,
 (c) 2024 Pratyush Patel; where to get it: docs/traces.md), pinned here so the simulator needs no
 trace files; a test refits them from the CSV. `zero` makes every step instantaneous (the
-exactness check against `kvserve bench kvcache`). `kvserve` is the profile `kvserve bench profile`
-measured on this machine (read from `MEASURED_PROFILE_PATH`).
+exactness check against `kvserve bench kvcache`). `kvserve` is the profile that
+`python -m benchmarks profile` (a development harness, run from a clone) measured on this machine
+(read from `MEASURED_PROFILE_PATH`).
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ _SOURCE = ("Splitwise perf_model.csv (MIT, (c) 2024 Pratyush Patel): llama2-70b 
            "105 rows")
 
 MEASURED = "kvserve"
-"""The name of the profile measured on this machine by `kvserve bench profile`."""
+"""The name of the profile measured on this machine by `python -m benchmarks profile`."""
 
 
 def measured_profile_path() -> Path:
-    """Where `kvserve bench profile` writes by default: $KVSERVE_CACHE or ~/.cache/kvserve."""
+    """Where `python -m benchmarks profile` writes by default: $KVSERVE_CACHE, else
+    ~/.cache/kvserve."""
     root = Path(os.environ.get("KVSERVE_CACHE") or Path.home() / ".cache/kvserve")
     return root / "sim-profile.json"
 
@@ -127,7 +129,8 @@ def load_profile(name_or_path: str) -> CostProfile:
     if name_or_path == MEASURED:
         path = measured_profile_path()
         if not path.exists():
-            raise ValueError(f"no measured profile at {path}: run `kvserve bench profile` first")
+            raise ValueError(f"no measured profile at {path}: run `python -m benchmarks profile` "
+                             "first, from a clone of kvserve's repository")
         return CostProfile.from_file(path)
     path = Path(name_or_path)
     if not path.exists():

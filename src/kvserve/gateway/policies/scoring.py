@@ -32,28 +32,21 @@ DEFAULT_BLOCK_CREDIT = 1.0
 DEFAULT_LOAD_WEIGHT = 1.0
 """One outstanding request outweighs one cached block (64 tokens in character blocks, 16 in
 token blocks): a prefix of a few thousand tokens keeps its worker through a queue of dozens of
-requests, a one-block prefix does not. Stickier weights lose hits to spills: on the 2-worker
-fleet of `kvserve bench gateway` a weight of 8 spilled long prefixes whenever a worker was 8
-requests ahead, duplicating tenants across caches (hit rate 0.82 against the ideal split's 0.91),
-and the simulator showed the same cascade at 3x the load (0.81 against 0.95 with weights of
-1-2); on a 16-worker fleet with 25-30k-token prefixes the weight made no difference."""
+requests, a one-block prefix does not. Stickier weights spill long prefixes in bursts and so
+copy tenants into a second cache (docs/operations.md, "Routing and admission options")."""
 
 DEFAULT_FOOTPRINT_WEIGHT = 16 * DEFAULT_LOAD_WEIGHT
 """An empty worker against the fullest one counts as sixteen requests of load: a new prefix
 fills the emptier cache unless that worker is far busier. Weaker, a hot tenant's worker (always
-the busier one) pushed every new tenant to the other worker until its cache overflowed (skewed
-mix in `kvserve bench gateway`: 0.87 against the ideal split's 0.91 at a weight of 4)."""
+the busier one) pushes every new tenant to the other worker until its cache overflows."""
 
 
 DEFAULT_BACKLOG_WEIGHT = 0.25
 """A token of prefill queued ahead costs a quarter of a cached token: a request leaves its cached
 prefix only for a worker whose backlog is shorter by four times that prefix (it would wait less,
 but the move copies the prefix into a second cache, and that costs hits later); a prefix nobody
-holds avoids a worker busy with a cold prefill: 2.5k tokens of backlog count as 39 requests with
-16-token blocks (`precise`) and 10 with 64-token ones (`cache_aware`'s text blocks), against the
-footprint term's 16. The default cuts the TTFT tail under overload and skew at the same hit
-rate; larger weights cost hit rate (docs/benchmarks.md, "Gateway"). At 0 the score is the
-request-count load alone."""
+holds avoids a worker busy with a cold prefill. At 0 the score is the request-count load
+alone."""
 
 
 def check_weights(block_credit: float, load_weight: float, footprint_weight: float = 0.0,

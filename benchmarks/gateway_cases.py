@@ -1,4 +1,4 @@
-"""The cases of `kvserve bench gateway` and one run of a case behind a router.
+"""The cases of `python -m benchmarks gateway` and one run of a case behind a router.
 
 A case shapes the workload (`trace_for`: skew, overload rate) and the clients (`client_policy`:
 TTFT timeout and resends in overload) and may act on the fleet (failover kills and restarts
@@ -18,6 +18,7 @@ from typing import Any
 
 from rich.console import Console
 
+from benchmarks.gateway_overhead import OverheadRun, measure_overhead
 from kvserve.bench.gateway_envoy import ENVOY_EPP
 from kvserve.bench.gateway_fleet import (
     IDEAL,
@@ -34,7 +35,6 @@ from kvserve.bench.gateway_load import (
     TimedAction,
     run_open_loop,
 )
-from kvserve.bench.gateway_overhead import OverheadRun, measure_overhead
 from kvserve.bench.gateway_report import CaseRun, summarize
 from kvserve.bench.gateway_workload import (
     BlockTexts,

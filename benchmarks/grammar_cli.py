@@ -1,4 +1,4 @@
-"""`kvserve bench grammar`: the per-token cost of a structured-output token mask.
+"""`python -m benchmarks grammar`: the per-token cost of a structured-output token mask.
 
 For one JSON schema and a valid document of it, tokenized with the given tokenizer, each
 backend walks the document token by token: compute the mask of allowed tokens, apply it to a

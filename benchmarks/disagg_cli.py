@@ -1,4 +1,5 @@
-"""`kvserve bench disagg`: ongoing decodes beside periodic long prompts, unified vs disaggregated.
+"""`python -m benchmarks disagg`: ongoing decodes beside periodic long prompts, unified vs
+disaggregated.
 
 Two fleets with the same total compute threads, one after the other (never sharing the CPU):
 unified, two `--role both` workers behind the gateway (prefix_hash); disaggregated, one
@@ -25,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
 
-from kvserve.bench.disagg_load import MixResult, MixSpec, run_mix
+from benchmarks.disagg_load import MixResult, MixSpec, run_mix
 from kvserve.bench.gateway_fleet import KvserveGateway
 from kvserve.bench.serve_load import percentile
 from kvserve.bench.server_launch import KVSERVE, LaunchedServer, LaunchError, LaunchSpec

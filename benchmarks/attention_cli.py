@@ -1,4 +1,4 @@
-"""`kvserve bench attention`: kvserve's CPU attention kernels against PyTorch's, per shape.
+"""`python -m benchmarks attention`: kvserve's CPU attention kernels against PyTorch's, per shape.
 
 The shapes are the attention calls of `kvserve bench engine`'s shared-prefix workload (one
 1,024-token prefix, 31 suffixes of 32 tokens, 32 decodes over the shared head), for the heads of

@@ -1,4 +1,4 @@
-"""`kvserve bench gateway --calibrate PROFILE`: the simulator beside the measured fleet.
+"""`python -m benchmarks gateway --calibrate PROFILE`: the simulator beside the measured fleet.
 
 For each measured run of a kvserve gateway policy the simulator can drive (one replica, no
 worker kill), the very same trace is replayed through `kvserve.sim` with the same fleet: number of
@@ -6,10 +6,11 @@ workers, KV blocks per worker, block size, scheduler limits, the gateway's polic
 limits, and the clients' timeout and retries. The simulated policy routes on the gateway's own
 keys: each request's text prompt keyed by `route_request_for` with the salt the gateway injects
 for its tenant, so rendezvous hashing places every tenant where the real gateway did. Step times
-come from PROFILE (`kvserve bench profile --threads 1 --colocated N --server --out P`, matching
-the workers' one thread each; measure it right before the fleet, since absolute times on a shared
-machine drift by more than the 15% the comparison is judged by). The table puts simulated TTFT
-p50/p99, throughput and hit rate next to the measured ones, as simulated / measured.
+come from PROFILE (`python -m benchmarks profile --threads 1 --colocated N --server --out P`,
+matching the workers' one thread each; measure it right before the fleet, since absolute times
+on a shared machine drift by more than the 15% the comparison is judged by). The table puts
+simulated TTFT p50/p99, throughput and hit rate next to the measured ones, as simulated /
+measured.
 """
 
 from __future__ import annotations

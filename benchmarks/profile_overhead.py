@@ -1,4 +1,5 @@
-"""The request overhead of `kvserve bench profile --server`: what a request spends outside steps.
+"""The request overhead of `python -m benchmarks profile --server`: what a request spends outside
+steps.
 
 A real `kvserve serve` (the profiled model and threads) is started with a kvserve gateway in front
 of it, as every simulated fleet has one, and timed one request at a time on two shapes:

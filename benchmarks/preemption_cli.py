@@ -1,4 +1,4 @@
-"""`kvserve bench preemption`: swap vs recompute preemption on a forced small KV pool.
+"""`python -m benchmarks preemption`: swap vs recompute preemption on a forced small KV pool.
 
 One engine per mode over the built-in demo model (made locally, no download), the same batch of
 requests all queued at once into a pool that holds only a few of them, so the scheduler

@@ -2,7 +2,7 @@
 
 Run from the peer venv (see docs/peers.md); it imports nothing from kvserve:
 
-    $PEERS/vllm-cpu/bin/python src/kvserve/bench/peers/vllm_engine_driver.py --spec SPEC.json
+    $PEERS/vllm-cpu/bin/python benchmarks/peers/vllm_engine_driver.py --spec SPEC.json
 
 SPEC.json: {"model": DIR, "max_model_len": N, "kv_cache_bytes": B, "num_threads": T,
 "enforce_eager": bool, "repeats": R, "omp_threads_bind": "auto" | "0-1" | null,

@@ -1,8 +1,8 @@
-"""`kvserve bench structured`: what a JSON-schema constraint costs per output token, on kvserve
-and on vLLM (when installed), same model, same prompt, same schema.
+"""`python -m benchmarks structured`: what a JSON-schema constraint costs per output token, on
+kvserve and on vLLM (when installed), same model, same prompt, same schema.
 
 Each server is started with the same LaunchSpec; per mode (`free`: unconstrained, EOS ignored;
-`json`: `structured_outputs.json` with `kvserve.bench.grammar_cli.SCHEMA`) one warm-up request,
+`json`: `structured_outputs.json` with `benchmarks.grammar_cli.SCHEMA`) one warm-up request,
 then sequential streamed completions. The time per output token is (last token - first token) /
 (tokens - 1) from the stream; the report gives each mode's median, the constrained mode's extra
 time per token, and the first constrained request's time to first token (grammar compile).
@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from kvserve.bench.grammar_cli import SCHEMA
+from benchmarks.grammar_cli import SCHEMA
 from kvserve.bench.server_launch import SERVERS, LaunchedServer, LaunchError, LaunchSpec
 
 PROMPT = "Write the customer's order as JSON:"

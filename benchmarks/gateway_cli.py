@@ -1,4 +1,4 @@
-"""`kvserve bench gateway`: routers side by side on one local fleet, multi-tenant traffic.
+"""`python -m benchmarks gateway`: routers side by side on one local fleet, multi-tenant traffic.
 
 One fleet of workers (kvserve's, or vLLM's CPU server with `--worker-server vllm`) is started;
 for every case and router it is made cold again, the router's processes are started, the same
@@ -36,20 +36,20 @@ from typing import Any
 
 from rich.console import Console
 
-from kvserve.bench.gateway_calibrate import (
+from benchmarks.gateway_calibrate import (
     FleetShape,
     GatewayRouteKeys,
     can_simulate,
     print_calibration,
     simulate,
 )
-from kvserve.bench.gateway_cases import CASES, Bench, case_of, kv_bytes_per_token
+from benchmarks.gateway_cases import CASES, Bench, case_of, kv_bytes_per_token
+from benchmarks.gateway_overhead import OverheadRun, print_overhead
 from kvserve.bench.gateway_fleet import (
     IDEAL,
     Fleet,
     RouterSpec,
 )
-from kvserve.bench.gateway_overhead import OverheadRun, print_overhead
 from kvserve.bench.gateway_report import CaseRun, print_pooled, print_tables
 from kvserve.bench.gateway_workload import (
     BlockTexts,
@@ -139,7 +139,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="extra argument for each `kvserve gateway` (repeatable)")
     p.add_argument("--calibrate", default=None, metavar="PROFILE",
                    help="also simulate each kvserve policy run with this cost profile "
-                        "(kvserve: `kvserve bench profile --threads 1`) and compare")
+                        "(kvserve: `python -m benchmarks profile --threads 1`) and compare")
     p.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     p.add_argument("--plot", type=Path, default=None, metavar="DIR",
                    help=f"write {GATEWAY_HIT_PNG} and {GATEWAY_CDF_PNG} (per case, by router) "
@@ -272,7 +272,7 @@ def run(args: argparse.Namespace) -> int:
             "overhead": [r.as_dict() for r in overheads]}, indent=1))
     if args.plot is not None and runs:
         try:
-            paths = gateway_plots(runs, args.plot, f"kvserve bench gateway: {args.workers} "
+            paths = gateway_plots(runs, args.plot, f"python -m benchmarks gateway: {args.workers} "
                                   f"{args.worker_server} workers, {args.requests} requests")
         except PlotsUnavailable as exc:
             err.print(str(exc), style="red", markup=False, soft_wrap=True)

@@ -1,6 +1,6 @@
 """An OpenAI-compatible stand-in worker that does no model work, for measuring a router alone.
 
-`python -m kvserve.bench.stub_worker --port P [--tokens N] [--token-interval S]
+`python -m benchmarks.stub_worker --port P [--tokens N] [--token-interval S]
 [--first-token-delay D]` answers:
 - `POST /v1/completions` and `/v1/chat/completions`: streamed (`"stream": true`) as N SSE chunks
   S seconds apart (a decode step; each chunk its own write, as a worker sends them), a usage
@@ -11,7 +11,7 @@
   vLLM-named series a router scrapes, with an idle queue and a 16,384-token cache.
 
 Nothing here waits on compute, so whatever CPU a router spends per request behind it is the
-router's own (`kvserve bench router-cpu`).
+router's own (`python -m benchmarks router-cpu`).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from benchmarks import with_repo_on_path
 from kvserve.bench.server_launch import ManagedProcess
 
 METRICS = "".join(f"# TYPE {name} {kind}\n{name}{{model_name=\"stub\"}} {value}\n" for name, kind,
@@ -150,14 +151,14 @@ class StubWorker(ManagedProcess):
         self.first_token_delay_s = first_token_delay_s
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        return ([sys.executable, "-m", "kvserve.bench.stub_worker", "--port", str(self.port),
+        return ([sys.executable, "-m", "benchmarks.stub_worker", "--port", str(self.port),
                  "--tokens", str(self.tokens), "--token-interval", str(self.token_interval_s),
                  "--first-token-delay", str(self.first_token_delay_s)],
-                dict(os.environ))
+                with_repo_on_path(os.environ))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kvserve.bench.stub_worker",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.stub_worker",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--tokens", type=int, default=16, help="output tokens a completion")

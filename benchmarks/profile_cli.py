@@ -1,4 +1,4 @@
-"""`kvserve bench profile`: time kvserve's own engine on this machine and fit a cost profile.
+"""`python -m benchmarks profile`: time kvserve's own engine on this machine and fit a cost profile.
 
 The simulator (`kvserve simulate --profile kvserve`) then runs kvserve fleets with these step
 times. Measured: whole `LLMEngine.step()` calls (scheduling, model, sampling), for prefill batches
@@ -29,7 +29,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvserve.bench.profile_overhead import fit_overhead, measure_overhead
+from benchmarks.profile_overhead import fit_overhead, measure_overhead
 from kvserve.sim.costmodel import CostProfile, StepShape, attention_pairs
 from kvserve.sim.profiles import measured_profile_path
 from kvserve.sim.splitwise_fit import weighted_lstsq
@@ -204,7 +204,8 @@ def measure(args: argparse.Namespace, console: Console) -> tuple[CostProfile, li
     model = args.model or engine.model_name
     profile = CostProfile(**{
         **{f: getattr(draft, f) for f in draft.__dataclass_fields__},
-        "source": f"kvserve bench profile: {model}, {engine.args.resolve_num_threads()} threads, "
+        "source": f"python -m benchmarks profile: {model}, "
+                  f"{engine.args.resolve_num_threads()} threads, "
                   + (f"{args.colocated} engines colocated, " if args.colocated > 1 else "")
                   + time.strftime("%Y-%m-%d"),
         "fit": {"rows": float(len(rows)),

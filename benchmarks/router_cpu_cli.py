@@ -1,8 +1,8 @@
-"""`kvserve bench router-cpu`: what each router costs in CPU, behind workers that do nothing.
+"""`python -m benchmarks router-cpu`: what each router costs in CPU, behind workers that do nothing.
 
 In `kvserve bench gateway` the router shares the machine's cores with real workers, so its CPU
 comes out of theirs, but its figure there moves with the workers' noise. Here the workers are
-stubs (`kvserve.bench.stub_worker`: streamed answers of `--tokens` chunks, `--token-interval` apart,
+stubs (`benchmarks.stub_worker`: streamed answers of `--tokens` chunks, `--token-interval` apart,
 with no model behind them), so what a router spends per request is its own:
 
 - idle: CPU per second with no traffic (health checks, metric scrapes, KV-event polls);
@@ -32,9 +32,9 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.stub_worker import StubWorker
 from kvserve.bench.gateway_fleet import RouterSpec, make_router
 from kvserve.bench.server_launch import LaunchError, ManagedProcess, retry_port_clash
-from kvserve.bench.stub_worker import StubWorker
 
 DEFAULT_ROUTERS = "kvserve:cache_aware,kvserve:precise,sglang:cache_aware"
 

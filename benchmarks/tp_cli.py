@@ -1,4 +1,4 @@
-"""`kvserve bench tp`: tensor parallelism against one rank on the same cores, same tokens.
+"""`python -m benchmarks tp`: tensor parallelism against one rank on the same cores, same tokens.
 
 For each size in `--tp`, one engine over a benchmark model (random weights, built locally),
 the same decode-heavy batch submitted at once (greedy, EOS ignored), run once untimed to warm
@@ -115,7 +115,7 @@ def _measure(path: str, tp: int, threads: int, workload) -> tuple[TPRow, list[li
 
 
 def _print(rows: list[TPRow], args: argparse.Namespace) -> None:
-    table = Table(title=f"kvserve bench tp: {args.model}, {args.num_prompts} x "
+    table = Table(title=f"python -m benchmarks tp: {args.model}, {args.num_prompts} x "
                         f"({args.prompt_len} prompt + {args.output_len} output), "
                         f"{args.cores} cores per size")
     for col in ("tp", "threads/rank", "wall s", "out tok/s", "steps", "all_reduce s (calls)",

@@ -1,4 +1,4 @@
-"""The load of `kvserve bench disagg`: ongoing decodes interrupted by periodic long prompts.
+"""The load of `python -m benchmarks disagg`: ongoing decodes interrupted by periodic long prompts.
 
 `num_decoders` clients each stream one request after another (a short prompt, a long output,
 EOS ignored) for `duration_s`; the gap between consecutive tokens of a stream is one ITL sample.

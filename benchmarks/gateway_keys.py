@@ -1,6 +1,6 @@
-"""`python -m kvserve.bench.gateway_keys`: what keying one prompt costs the gateway's event loop
+"""`python -m benchmarks.gateway_keys`: what keying one prompt costs the gateway's event loop
 under the `precise` policy, tokenizing every prompt in full (before) and through the tokenizer
-memo (after), on `kvserve bench gateway`'s own workload: the same multi-tenant trace, prompt
+memo (after), on `python -m benchmarks gateway`'s own workload: the same multi-tenant trace, prompt
 texts and model tokenizer (`--model tiny`: the demo tokenizer its workers load).
 
 Each pass starts a cold keyer, as a freshly started gateway has, and keys the requests in arrival
@@ -39,7 +39,7 @@ def _pair(text: str) -> tuple[int, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m kvserve.bench.gateway_keys",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gateway_keys",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="tiny, 100m or a checkpoint dir")

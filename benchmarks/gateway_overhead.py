@@ -1,4 +1,4 @@
-"""The `overhead` case of `kvserve bench gateway`: what a router adds to each request.
+"""The `overhead` case of `python -m benchmarks gateway`: what a router adds to each request.
 
 Short requests (a `--overhead-prompt-tokens` prompt, one output token, streamed) so the worker
 does as little as possible and the router's own cost shows: first one at a time (latency p50 /
