@@ -153,3 +153,28 @@ def test_every_front_end_exports_the_series_from_the_fleet_it_builds() -> None:
     with pytest.raises(ValueError, match="feeds --policy precise's index"):
         build_fleet(GatewaySettings(workers=(url,), policy="cache_aware",
                                     kv_events_default=every))
+
+
+def test_a_replay_endpoint_that_does_not_answer_counts_a_timeout() -> None:
+    async def main() -> None:
+        ctx = zmq.asyncio.Context()
+        port = free_port()
+        pub = ScriptedPublisher(ctx, f"tcp://127.0.0.1:{port}", None)
+        policy = PrecisePolicy(max_pending_blocks_per_worker=0)
+        nobody = f"tcp://*:{free_port()}"  # a replay endpoint no publisher bound
+        follower = ZmqEventFollower({URL: EventSource(f"tcp://*:{port}", nobody, "kv")}, policy,
+                                    model, replay_timeout_s=0.2)
+        registry = CollectorRegistry()
+        registry.register(KvEventCollector(follower))
+        try:
+            follower.start()
+            await until(lambda: policy.is_synced(URL))  # synced anyway, partial
+            assert registry.get_sample_value("kvserve:gateway_kv_event_replays_total",
+                                             {"worker": URL, "outcome": "timeout"}) == 1
+            assert URL in follower.partial
+        finally:
+            await follower.stop()
+            await pub.close()
+            ctx.destroy(0)
+
+    asyncio.run(main())
