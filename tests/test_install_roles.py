@@ -1,6 +1,6 @@
-"""Install by role: the gateway, the doctor, the simulator and the CLI import no engine package, so
-`pip install kvserve` (no torch) runs them; `kvserve[engine]` holds what the workers need; the
-gateway image installs no torch and the Kubernetes gateway runs it."""
+"""Install by role: the gateway, the Endpoint Picker, the doctor, the simulator and the CLI import
+no engine package, so `pip install kvserve` (no torch) runs them; `kvserve[engine]` holds what the
+workers need; the gateway image installs no torch and the Kubernetes gateway runs it."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ ENGINE_ONLY = ("torch", "safetensors", "transformers", "kvserve.model", "kvserve
 # Imports each torch-free role as a user reaches it, then names the engine packages it pulled in.
 PROBE = """
 import sys
-import kvserve.gateway, kvserve.gateway.command, kvserve.gateway.app
+import kvserve.gateway, kvserve.gateway.command, kvserve.gateway.app, kvserve.gateway.epp.server
 import kvserve.ops, kvserve.ops.doctor_command
 import kvserve.sim, kvserve.sim.command, kvserve.sim.fleet
 import kvserve.cli
-for argv in (["--help"], ["gateway", "--help"], ["doctor", "--help"], ["simulate", "--help"]):
+for argv in (["--help"], ["gateway", "--help"], ["epp", "--help"], ["doctor", "--help"],
+             ["simulate", "--help"]):
     try:
         kvserve.cli.main(argv)
     except SystemExit as exit:

@@ -7,20 +7,18 @@ the worker exits non-zero; none hangs."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-import torch
 
-from kvserve.model import Tokenizer
-from tests.runtime.conftest import _hf_model, hf_greedy, random_prompt
+from tests.runtime.conftest import random_prompt
 from tests.server.harness import ServerProcess, wait_until
+from tests.tp.parity import complete, hf_tokens, openai_client, same
+from tests.tp.ranks import child_pids, wait_gone
 
 pytest.importorskip("transformers")
 TP_FLAGS = ("--tensor-parallel-size", "2", "--block-size", "4")
@@ -43,83 +41,29 @@ def start(tp_checkpoints, tmp_path, monkeypatch):
     yield run
     for server in started:
         server.stop()
-        _assert_no_rank_left(server)
-
-
-def _client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="dummy", max_retries=0,
-                         timeout=120.0)
-
-
-Tokens = list[tuple[str, float]]  # (token text, logprob) per generated token
-
-
-def _complete(client: openai.OpenAI, prompt: list[int], max_tokens: int) -> Tokens:
-    out = client.completions.create(model=client.models.list().data[0].id, prompt=prompt,
-                                    max_tokens=max_tokens, temperature=0, logprobs=0,
-                                    extra_body={"ignore_eos": True})
-    assert out.usage is not None and out.usage.completion_tokens == max_tokens
-    logprobs = out.choices[0].logprobs
-    assert logprobs is not None and logprobs.tokens and logprobs.token_logprobs
-    return list(zip(logprobs.tokens, logprobs.token_logprobs, strict=True))
-
-
-def _hf_tokens(path: Path, prompt: list[int], max_tokens: int) -> Tokens:
-    """transformers' greedy continuation: each token's text and log-probability."""
-    model = _hf_model(str(path))
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=max_tokens,
-                             pad_token_id=0, output_scores=True, return_dict_in_generate=True)
-    ids = out.sequences[0, len(prompt):].tolist()
-    assert ids == hf_greedy(path, prompt, max_tokens)
-    tokenizer = Tokenizer.from_pretrained(path)
-    return [(tokenizer.decode([t], skip_special_tokens=False),
-             torch.log_softmax(score[0].float(), -1)[t].item())
-            for t, score in zip(ids, out.scores, strict=True)]
-
-
-def _same(got: Tokens, want: Tokens) -> bool:
-    return [t for t, _ in got] == [t for t, _ in want] and all(
-        abs(a - b) < 1e-3 for (_, a), (_, b) in zip(got, want, strict=True))
-
-
-def _rank_pids(server: ServerProcess) -> list[int]:
-    """The worker processes the server started (its direct children)."""
-    pid = server.proc.pid
-    children: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            children += [int(c) for c in (task / "children").read_text().split()]
-    return children
-
-
-def _assert_no_rank_left(server: ServerProcess) -> None:
-    for pid in getattr(server, "rank_pids", []):
-        wait_until(lambda p=pid: not Path(f"/proc/{p}").exists()
-                   or "zombie" in Path(f"/proc/{p}/status").read_text().lower(),
-                   10.0, f"rank process {pid} to exit")
+        wait_gone(getattr(server, "rank_pids", []))
 
 
 def test_openai_client_parity_under_chunked_prefill_and_preemption(start, tp_checkpoints):
     arch = "qwen2_one_kv_head"
     server = start(arch, ("--max-num-batched-tokens", "6", "--num-kv-blocks", "16"))
-    server.rank_pids = _rank_pids(server)
+    server.rank_pids = child_pids(server.proc.pid)
     assert len(server.rank_pids) == 1
-    client = _client(server)
+    client = openai_client(server.url)
     prompts = [random_prompt(n, seed=400 + n) for n in (5, 9, 14, 21)]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        got = list(pool.map(lambda p: _complete(client, p, 16), prompts))
+        got = list(pool.map(lambda p: complete(client, p, 16), prompts))
     path = tp_checkpoints[arch]
     for prompt, tokens in zip(prompts, got, strict=True):
-        assert _same(tokens, _hf_tokens(path, prompt, 16)), (tokens, _hf_tokens(path, prompt, 16))
+        assert same(tokens, hf_tokens(path, prompt, 16)), (tokens, hf_tokens(path, prompt, 16))
     metrics = server.metrics()
     assert metrics.value("vllm:num_preemptions_total") > 0
     # A warm prefix: the second request reads 16 cached prompt tokens from both ranks' caches.
     prefix = random_prompt(16, seed=9)
-    _complete(client, prefix + random_prompt(2, seed=10), 4)
+    complete(client, prefix + random_prompt(2, seed=10), 4)
     warm = prefix + random_prompt(3, seed=11)
     before = server.metrics().value("vllm:prefix_cache_hits_total")
-    assert _same(_complete(client, warm, 8), _hf_tokens(path, warm, 8))
+    assert same(complete(client, warm, 8), hf_tokens(path, warm, 8))
     metrics = server.metrics()
     assert metrics.value("vllm:prefix_cache_hits_total") - before >= 16
     assert metrics.value("kvserve:collective_duration_seconds_count", op="all_reduce",
@@ -133,8 +77,8 @@ def test_openai_client_parity_under_chunked_prefill_and_preemption(start, tp_che
 def test_a_slow_rank_shows_as_skew_and_finishes(start, tp_checkpoints):
     server = start("llama_gqa", ("--collective-timeout", "30"), fault="1:3:delay:1.5")
     prompt = random_prompt(7, seed=1)
-    assert _same(_complete(_client(server), prompt, 6),
-                 _hf_tokens(tp_checkpoints["llama_gqa"], prompt, 6))
+    assert same(complete(openai_client(server.url), prompt, 6),
+                 hf_tokens(tp_checkpoints["llama_gqa"], prompt, 6))
     metrics = server.metrics()
     assert metrics.value("kvserve:collective_rank_skew_seconds_sum") >= 1.4
     slow = metrics.value("kvserve:collective_duration_seconds_count", op="all_reduce") \
@@ -151,10 +95,10 @@ def test_a_slow_rank_shows_as_skew_and_finishes(start, tp_checkpoints):
 ])
 def test_a_failed_rank_ends_requests_with_a_named_error(start, fault, words, kind, op):
     server = start("llama_gqa", ("--collective-timeout", "3"), fault=fault)
-    server.rank_pids = _rank_pids(server)
+    server.rank_pids = child_pids(server.proc.pid)
     began = time.monotonic()
     with pytest.raises(openai.APIStatusError) as failed:
-        _complete(_client(server), random_prompt(9, seed=2), 20)
+        complete(openai_client(server.url), random_prompt(9, seed=2), 20)
     assert time.monotonic() - began < 30.0  # no hang: the watchdog's 3 s and the diagnosis
     assert failed.value.status_code == 503
     for word in words:
@@ -174,8 +118,8 @@ def test_a_failed_rank_ends_requests_with_a_named_error(start, fault, words, kin
 
 def test_a_rank_lost_while_idle_makes_the_worker_unhealthy(start):
     server = start("llama_gqa")
-    _complete(_client(server), random_prompt(5, seed=3), 3)
-    server.rank_pids = _rank_pids(server)
+    complete(openai_client(server.url), random_prompt(5, seed=3), 3)
+    server.rank_pids = child_pids(server.proc.pid)
     os.kill(server.rank_pids[0], 9)
     wait_until(lambda: httpx.get(f"{server.url}/health", timeout=5.0).status_code == 503, 10.0,
                "/health to report the lost rank")

@@ -177,10 +177,23 @@ class Heartbeat:
             time.sleep(HEARTBEAT_INTERVAL_S)
 
 
-def read_heartbeat(store: Store, rank: int) -> tuple[int, str, float] | None:
-    """(step id, phase, seconds since the beat) of `rank`, or None if it never beat."""
-    key = HEARTBEAT_KEY.format(rank=rank)
-    if not store.check([key]):
-        return None
-    step, phase, stamp = store.get(key).decode().split()
-    return int(step), phase, time.time() - float(stamp)
+class HeartbeatReader:
+    """Rank 0's reading of the other ranks' heartbeats. A beat's age is how long its value has
+    stayed unchanged by this process's clock, not its stamp: a rank on another node stamps with
+    its own clock, which may be seconds off."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self._seen: dict[int, tuple[bytes, float]] = {}  # rank -> (beat, monotonic first seen)
+
+    def read(self, rank: int) -> tuple[int, str, float] | None:
+        """(step id, phase, seconds the beat has not changed) of `rank`; None if it never beat."""
+        key = HEARTBEAT_KEY.format(rank=rank)
+        if not self._store.check([key]):
+            return None
+        beat, now = self._store.get(key), time.monotonic()
+        seen = self._seen.get(rank)
+        if seen is None or seen[0] != beat:
+            seen = self._seen[rank] = (beat, now)
+        step, phase, _ = beat.decode().split()
+        return int(step), phase, now - seen[1]

@@ -30,8 +30,8 @@ class RankSupervisor(Protocol):
 
     def stop(self) -> None: ...
 
-    def lost_rank(self) -> tuple[int, int] | None:
-        """(rank, exit code) of a rank process that has exited, if any."""
+    def lost_rank(self) -> tuple[int, str] | None:
+        """(rank, what happened) of a rank found gone, if any."""
 
 
 def check_step(comm: Communicator, step_id: int, checksum: int, prev_compute_ns: int,
@@ -98,14 +98,15 @@ class TensorParallelExecutor:
         return found
 
     def check_ranks(self) -> None:
-        """Between steps: raise CollectiveError if a rank's process is gone."""
+        """Between steps: raise CollectiveError if a rank's process is gone (or, on another
+        node, stopped beating)."""
         lost = self.supervisor.lost_rank()
         if lost is not None:
-            rank, code = lost
+            rank, detail = lost
             self.comm.failed = True
             self.stats.error("heartbeat", CollectiveErrorKind.RANK_LOST)
             raise CollectiveError("heartbeat", CollectiveErrorKind.RANK_LOST, self.comm.step_id,
-                                  rank, f"rank {rank}'s process exited with code {code}")
+                                  rank, detail)
 
     def close(self) -> None:
         """Tell the other ranks to exit (if the group still works), then make sure they did.

@@ -2,9 +2,11 @@
 
 Started by rank 0 (or torchrun, or `kvserve serve --node-rank k`) with RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT (and LOCAL_RANK) set and the engine arguments as JSON in
-KVSERVE_ENGINE_ARGS. It loads its shard, allocates the KV of its heads with as many blocks as
-rank 0 publishes, and runs the plans rank 0 broadcasts until told to stop. Exit 0 after a clean
-stop, 1 when the group failed (the error is logged), 2 for bad arguments.
+KVSERVE_ENGINE_ARGS. It checks that its settings match rank 0's (tp_group_check), loads its
+shard, allocates the KV of its heads with as many blocks as rank 0 publishes, and runs the
+plans rank 0 broadcasts until told to stop; it exits when the process that started it does.
+Exit 0 after a clean stop, 1 when the group failed or the parent is gone (the error is logged),
+2 for bad arguments or settings that differ from rank 0's.
 """
 
 from __future__ import annotations
@@ -12,7 +14,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
+import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -24,9 +29,15 @@ from kvserve.model.sampler import Sampler
 from kvserve.model.tensor_parallel import ShardSpec
 from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.model_setup import load_rank_model, rank_device
-from kvserve.runtime.tp_comm import Communicator, Heartbeat, TensorParallelError
+from kvserve.runtime.tp_comm import (
+    HEARTBEAT_INTERVAL_S,
+    Communicator,
+    Heartbeat,
+    TensorParallelError,
+)
 from kvserve.runtime.tp_executor import serve_rank
 from kvserve.runtime.tp_faults import Fault
+from kvserve.runtime.tp_group_check import check_identity
 from kvserve.runtime.tp_launch import (
     ARGS_VAR,
     NUM_BLOCKS_KEY,
@@ -40,9 +51,16 @@ log = logging.getLogger("kvserve.tp_worker")
 def run_rank(args: EngineArgs, rank: int, world_size: int, local_rank: int, master_addr: str,
              master_port: int) -> int:
     """Serve as `rank` until rank 0 stops the group; the process's exit code."""
+    exit_with_parent(rank)
+    leave_stopping_to_rank_0()
     torch.set_num_threads(args.resolve_num_threads())
     store = TCPStore(master_addr, master_port, is_master=False,
                      timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+    try:
+        check_identity(store, args, rank)
+    except TensorParallelError as exc:
+        log.error("rank %d refuses to join: %s", rank, exc)
+        return 2
     device = rank_device(args.device, local_rank)
     loaded, _ = load_rank_model(args, ShardSpec(rank, world_size), device)
     num_blocks = int(store.get(NUM_BLOCKS_KEY).decode())
@@ -61,6 +79,31 @@ def run_rank(args: EngineArgs, rank: int, world_size: int, local_rank: int, mast
         log.error("rank %d stops: %s", rank, exc)
         return 1
     return 0
+
+
+def exit_with_parent(rank: int) -> None:
+    """End this process when its parent (rank 0, `kvserve serve --node-rank k`, torchrun's
+    agent) is gone: an orphaned rank would keep its share of the model and its sockets, and
+    rank 0 would never learn that the node was stopped."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(HEARTBEAT_INTERVAL_S)
+        log.error("rank %d stops: the process that started it (pid %d) is gone", rank, parent)
+        sys.stderr.flush()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="kvserve-parent-watch", daemon=True).start()
+
+
+def leave_stopping_to_rank_0() -> None:
+    """Ignore SIGINT and SIGTERM: they reach every rank at once (Ctrl-C in a terminal, torchrun
+    stopping its workers), and rank 0 still needs this rank to finish the requests it drains.
+    The rank stops when rank 0 says so, or when rank 0 or the parent is gone."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def main() -> int:

@@ -13,7 +13,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvserve.runtime import AsyncEngine
+from kvserve.runtime import AsyncEngine, EngineDeadError
 from kvserve.server.chat_formatting import ChatFormatter
 from kvserve.server.debug import kv_report
 from kvserve.server.errors import APIError, install_error_handlers
@@ -221,16 +221,20 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         async def body_stream() -> AsyncIterator[str]:
             finals = {}
             pending = [first] if first is not None else []
-            async for idx, output in _chain(pending, events):
-                if output.finished and (error := failure_of([output])) is not None:
-                    yield sse_error(call, error)
-                    await events.aclose()
-                    return
-                chunk = fmt.chunk(idx, output)
-                if chunk is not None:
-                    yield sse(chunk)
-                if output.finished:
-                    finals[idx] = output
+            try:
+                async for idx, output in _chain(pending, events):
+                    if output.finished and (error := failure_of([output])) is not None:
+                        yield sse_error(call, error)
+                        await events.aclose()
+                        return
+                    chunk = fmt.chunk(idx, output)
+                    if chunk is not None:
+                        yield sse(chunk)
+                    if output.finished:
+                        finals[idx] = output
+            except EngineDeadError as exc:
+                yield _sse_engine_dead(call, exc)
+                return
             if include_usage:
                 yield sse(fmt.usage_chunk([finals[i] for i in sorted(finals)]))
             yield SSE_DONE
@@ -273,15 +277,19 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         async def body_stream() -> AsyncIterator[str]:
             final = None
             pending = [first] if first is not None else []
-            async for _, output in _chain(pending, events):
-                if output.finished and (error := failure_of([output])) is not None:
-                    yield sse_error(call, error)
-                    await events.aclose()
-                    return
-                for chunk in fmt.chunks(output):
-                    yield sse(chunk)
-                if output.finished:
-                    final = output
+            try:
+                async for _, output in _chain(pending, events):
+                    if output.finished and (error := failure_of([output])) is not None:
+                        yield sse_error(call, error)
+                        await events.aclose()
+                        return
+                    for chunk in fmt.chunks(output):
+                        yield sse(chunk)
+                    if output.finished:
+                        final = output
+            except EngineDeadError as exc:
+                yield _sse_engine_dead(call, exc)
+                return
             if include_usage and final is not None:
                 yield sse(fmt.usage_chunk(final))
             yield SSE_DONE
@@ -316,6 +324,12 @@ async def _first_or_error(events, raw: Request, call: Call):  # type: ignore[no-
 
 async def _next(events):  # type: ignore[no-untyped-def]
     return await events.__anext__()
+
+
+def _sse_engine_dead(call: Call, exc: EngineDeadError) -> str:
+    """The error event that ends a stream whose engine stopped mid-way (a failed
+    tensor-parallel group): the error names the cause, instead of a dropped connection."""
+    return sse_error(call, f"the engine is not running: {exc}")
 
 
 async def _chain(pending, events):  # type: ignore[no-untyped-def]

@@ -7,12 +7,14 @@ import contextlib
 import gc
 import logging
 import os
+import signal
 import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from kvserve.kvevents.config import KVEventsConfig
 from kvserve.server.settings import ServerSettings, UntrustedSalt, WorkerRole
@@ -89,16 +91,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="torch threads per rank (default: the usable cores / ranks)")
     p.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int,
                    default=1, help="split the model over this many ranks, one process each "
-                   "(gloo on CPU, NCCL on CUDA); rank 0 serves HTTP (default 1)")
+                   "(gloo on CPU, NCCL on CUDA); rank 0 serves HTTP; under torchrun, its "
+                   "WORLD_SIZE (default 1)")
     p.add_argument("--collective-timeout", dest="collective_timeout_s", type=float,
                    default=60.0, help="seconds a collective may take before the step fails "
                    "and the worker exits non-zero (tensor parallelism; default 60)")
     p.add_argument("--nnodes", type=int, default=1,
                    help="nodes the tensor-parallel ranks span (each runs "
                         "tensor-parallel-size / nnodes ranks; set MASTER_ADDR and MASTER_PORT "
-                        "to rank 0's address on every node)")
+                        "to rank 0's address and a free port on every node; not under "
+                        "torchrun, which places the ranks itself)")
     p.add_argument("--node-rank", type=int, default=0,
-                   help="this node's index; node 0 serves HTTP, the others only run ranks")
+                   help="this node's index; node 0 serves HTTP, the others only run ranks "
+                        "(stopping one stops its ranks, which fails the group); every node "
+                        "needs the same --model, -tp, --block-size, --dtype and --device")
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
@@ -228,20 +234,25 @@ def run(args: argparse.Namespace) -> int:
                      if args.kv_events_config else None)
         engine_args = engine_args_from(args)
         rendezvous = None
+        if engine_args.tensor_parallel_size == 1 and (args.nnodes, args.node_rank) != (1, 0):
+            raise ValueError("--nnodes and --node-rank spread tensor-parallel ranks over nodes: "
+                             "give every node the same --tensor-parallel-size > 1")
         if engine_args.tensor_parallel_size > 1:
             rendezvous = Rendezvous.from_env(engine_args.tensor_parallel_size, args.nnodes,
                                              args.node_rank)
-            rank = int(os.environ.get("RANK", "0")) if rendezvous.launched else 0
+            rank = rendezvous.rank
             if rank:  # torchrun started this process as a rank other than 0
-                return run_rank(engine_args, rank, rendezvous.world_size,
+                code = run_rank(engine_args, rank, rendezvous.world_size,
                                 int(os.environ.get("LOCAL_RANK", rank)),
                                 rendezvous.master_addr, rendezvous.master_port)
+                sys.stderr.flush()
+                os._exit(code)  # as tp_worker: a failed gloo group aborts in teardown
             if rendezvous.node_rank:
                 return run_node(engine_args, rendezvous)
         with console.status(f"loading {args.model or 'the built-in demo model'} …"):
             engine = LLMEngine.from_args(engine_args, rendezvous)
     except (ValueError, OSError, RuntimeError) as exc:
-        console.print(f"[red]cannot start: {exc}[/]", soft_wrap=True)
+        console.print(f"[red]cannot start: {escape(str(exc))}[/]", soft_wrap=True)
         return 2
     settings = ServerSettings(
         api_key=args.api_key, admin_key=args.admin_key,
@@ -258,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         app = create_app(async_engine, settings)
     except ValueError as exc:
-        console.print(f"[red]cannot start: {exc}[/]", soft_wrap=True)
+        console.print(f"[red]cannot start: {escape(str(exc))}[/]", soft_wrap=True)
         return 2
     # This process serves one engine for its whole life: freeze what start-up built (the block
     # pool's num_blocks objects, the model's modules) so full collections stop walking it again
@@ -290,11 +301,17 @@ def run(args: argparse.Namespace) -> int:
                                            timeout_graceful_shutdown=int(args.drain_timeout) + 1))
     threading.Thread(target=_exit_when_group_fails, args=(async_engine, server),
                      name="kvserve-tp-watch", daemon=True).start()
-    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the SIGINT it drained on
+    # uvicorn drains on SIGTERM (Kubernetes, torchrun stopping its workers) as on SIGINT, then
+    # raises it again: as KeyboardInterrupt, not with the default handler, which killed the
+    # process here, before the engine could tell the other tensor-parallel ranks to stop.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises the signal it drained on
         server.run()
     engine.close()
     if _group_failed(async_engine):
-        console.print(f"[red]exiting: the tensor-parallel group failed: {async_engine.error}[/]",
+        console.print("[red]exiting: the tensor-parallel group failed: "
+                      f"{escape(str(async_engine.error))}[/]",
                       soft_wrap=True)
         sys.stderr.flush()
         os._exit(FAILED_GROUP_EXIT_CODE)  # skip teardown: a failed gloo group aborts in it
