@@ -97,10 +97,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                         "envoy+kvserve-epp:POLICY (Envoy in front of `kvserve epp`)")
     p.add_argument("--workers", type=int, default=2, help="workers in the fleet")
     p.add_argument("--worker-server", choices=(KVSERVE, VLLM), default=KVSERVE)
-    p.add_argument("--kv-events", choices=("zmq", "poll"), default="zmq",
-                   help="how `precise` follows the workers' KV events: zmq (every worker "
-                        "publishes with --kv-events-config, vLLM's and kvserve's alike) or poll "
-                        "(kvserve's /kv/events long-poll; vLLM has none)")
     p.add_argument("--model", default="tiny", help="tiny, 100m or a checkpoint dir")
     w = p.add_argument_group("workload")
     w.add_argument("--tenants", type=int, default=10)
@@ -216,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     sims: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-gateway-") as tmp:
         fleet = Fleet(args.worker_server, launch, args.workers, Path(tmp), args.startup_timeout,
-                      kv_events=args.kv_events == "zmq")
+                      kv_events=True)
         shape = replace(shape, worker_ids=tuple(fleet.urls))
         bench = Bench(args, fleet, spec, texts, model_dir.name, Path(tmp), err)
         try:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from kvserve import __version__
 from kvserve.bench import engine_cli, kvcache_cli, routers_cli, serve_cli
 from kvserve.gateway import command as gateway_command
+from kvserve.gateway import up_command
 from kvserve.gateway.epp import command as epp_command
 from kvserve.ops import doctor_command
 from kvserve.server import command as serve_command
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     routers_cli.add_parser(benches)
     serve_command.add_parser(commands)
     gateway_command.add_parsers(commands)
+    up_command.add_parser(commands)
     epp_command.add_parser(commands)
     simulate_command.add_parser(commands)
     doctor_command.add_parser(commands)

@@ -113,8 +113,8 @@ def test_router_specs_are_checked() -> None:
 @pytest.mark.parametrize(("spec", "args"), [
     ("kvserve:cache_aware@backlog_weight=0@load_weight=2",
      ["--policy-option=backlog_weight=0", "--policy-option=load_weight=2"]),
-    ("kvserve:precise@backlog_weight=0@--kv-events-min-interval=0.5",
-     ["--policy-option=backlog_weight=0", "--kv-events-min-interval=0.5"]),
+    ("kvserve:precise@backlog_weight=0@--queue-timeout=0.5",
+     ["--policy-option=backlog_weight=0", "--queue-timeout=0.5"]),
     ("kvserve:cache_aware@--no-latency-limit", ["--no-latency-limit"]),  # a flag alone
     ("envoy+kvserve-epp:prefix_hash@--max-queued=0", ["--max-queued=0"]),  # the picker's too
 ])
@@ -125,10 +125,10 @@ def test_router_specs_carry_policy_options_and_gateway_flags(spec: str, args: li
 
 @pytest.mark.parametrize(("spec", "message"), [
     ("sglang:cache_aware@x=1", "kvserve policies only"),
-    ("sglang:cache_aware@--kv-events-min-interval=0.5", "kvserve policies only"),
+    ("sglang:cache_aware@--queue-timeout=0.5", "kvserve policies only"),
     ("kvserve:cache_aware@backlog_weight", "KEY=VALUE"),
     ("kvserve:precise@--no-such-flag=1", "no flag '--no-such-flag=1'"),  # the gateway's parser
-    ("kvserve:precise@--kv-events-min-interval=soon", "invalid float value"),
+    ("kvserve:precise@--queue-timeout=soon", "invalid float value"),
 ])
 def test_bad_router_specs_are_refused_before_any_process(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -111,8 +111,10 @@ def test_policy_options_parse_into_typed_values() -> None:
 @pytest.mark.parametrize(("flags", "message"), [
     (["--policy", "cache_aware", "--policy-option", "backlog_weight=-1"],
      "backlog_weight must be >= 0"),
-    (["--policy", "precise", "--kv-events-min-interval", "-0.1"],
-     "--kv-events-min-interval must be between 0 and 60 seconds"),
+    (["--policy", "precise", "--worker-kv-events", "tcp://127.0.0.1:5557"],
+     "a source for every worker must be one each worker binds, tcp://*:PORT"),
+    (["--policy", "precise", "--worker-kv-events", "tcp://*:1",
+      "--worker-kv-events", "tcp://*:2"], "every worker's source: give it once"),
 ])
 def test_the_gateway_command_refuses_a_bad_routing_flag(
     flags: list[str], message: str, capsys: pytest.CaptureFixture[str],

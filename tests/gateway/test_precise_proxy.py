@@ -1,22 +1,20 @@
-"""`precise` end to end: real workers publish their KV events, real gateways follow them and
-key prompts with the workers' own tokenizer, so every replica routes to where the blocks are."""
+"""`precise`'s keys end to end: the gateway keys a prompt with the workers' own tokenizer
+exactly as the worker hashes its blocks (read from the worker's `/kv/events`, kept for external
+readers and these tests); the gateway follows the events over ZMQ (test_zmq_events_proxy.py)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-import pytest
 from tokenizers import Tokenizer
 
 from kvserve.gateway.prefix import engine_block_hashes
 from kvserve.gateway.route_key import route_request_for
 from kvserve.gateway.token_keys import TokenKeyer
-from tests.gateway.conftest import SALT_SECRET
-from tests.gateway.processes import ADMIN_KEY, Process, running_gateway
+from tests.gateway.processes import ADMIN_KEY, Process
 
 PROMPT = "The compliance checker reads every clause of the contract and flags the risky ones. " * 2
 RUN = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
@@ -58,43 +56,6 @@ def test_the_gateway_keys_a_conversation_exactly_as_the_worker_caches_it(
     assert {h.hex() for h in keyed.prefix_hashes} <= stored_hashes(worker)
     text_keyed = route_request_for("/v1/chat/completions", body, "chat-salt")
     assert not {h.hex() for h in text_keyed.prefix_hashes} & stored_hashes(worker)
-
-
-@pytest.fixture(scope="module")
-def precise_pair(fleet: list[Process], proc_logs: Path) -> Iterator[tuple[Process, Process]]:
-    """Two `precise` gateway replicas over the same workers, sharing nothing but the workers."""
-    flags = ["--policy", "precise", "--salt-secret", SALT_SECRET]
-    urls = [w.url for w in fleet]
-    with running_gateway(urls, proc_logs, flags) as a, running_gateway(urls, proc_logs, flags) as b:
-        yield a, b
-
-
-def routed(gateway: Process) -> dict[tuple[str, str], float]:
-    return {(labels["worker"], labels["branch"]): value
-            for name, labels, value in gateway.metrics().samples
-            if name == "kvserve:gateway_requests_total"}
-
-
-def send(gateway: Process, model: str, tenant: str) -> tuple[str, str]:
-    """Send PROMPT for `tenant`; the (worker, branch) the gateway chose."""
-    before = routed(gateway)
-    httpx.post(f"{gateway.url}/v1/completions", json={"model": model, "prompt": PROMPT, **RUN},
-               headers={"X-Tenant-Id": tenant}, timeout=60).raise_for_status()
-    grown = [k for k, v in routed(gateway).items() if v > before.get(k, 0.0)]
-    assert len(grown) == 1, grown
-    return grown[0]
-
-
-def test_replicas_follow_the_events_to_the_same_worker(precise_pair: tuple[Process, Process],
-                                                       model_name: str) -> None:
-    a, b = precise_pair
-    first_worker, first_branch = send(a, model_name, "acme")
-    assert first_branch == "least_load"  # nobody holds this tenant's prompt yet
-    time.sleep(1.5)  # a few event polls (every 0.25 s) for both replicas
-    assert send(b, model_name, "acme") == (first_worker, "precise_hit")
-    assert send(a, model_name, "acme") == (first_worker, "precise_hit")
-    # The same text for another tenant hashes under another salt: no hit anywhere.
-    assert send(b, model_name, "globex")[1] == "least_load"
 
 
 def test_a_long_poll_answers_when_the_worker_logs_events_not_at_its_timeout(

@@ -81,3 +81,26 @@ def test_up_and_a_gateway_place_new_prefixes_by_one_rule() -> None:
                         ["http://w"])
     assert up.policy == gateway.policy == "cache_aware"
     assert up.policy_options == gateway.policy_options == ()
+
+
+def test_up_with_precise_has_its_workers_publish_kv_events_to_its_gateway(
+        tmp_path: Path) -> None:
+    """`up --policy precise` starts each worker with --kv-events-config and follows it over
+    ZMQ: the index is synced and a repeated prompt is routed as a hit on its blocks."""
+    worker_args = [f"--worker-arg={flag}" for flag in WORKER_FLAGS]
+    up = Process("up", ["up", "--workers", "1", "--policy", "precise", *worker_args], tmp_path)
+    try:
+        up.wait_ready(lambda r: r.status_code == 200)
+        [worker] = up.get("/workers").json()["workers"]
+        assert worker["kv_events"]["source"] == "zmq" and worker["kv_events"]["synced"]
+        model = up.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "prompt": "Every clause of the lease, read twice. " * 8,
+                "max_tokens": 2}
+        httpx.post(f"{up.url}/v1/completions", json=body, timeout=60).raise_for_status()
+        wait_until(lambda: up.metrics().value("kvserve:gateway_kv_events_total",
+                                              type="stored") > 0, 15.0, "stored events", up.log)
+        httpx.post(f"{up.url}/v1/completions", json=body, timeout=60).raise_for_status()
+        assert up.metrics().value("kvserve:gateway_requests_total", branch="precise_hit") == 1
+        assert "no KV events from" not in up.log()
+    finally:
+        up.stop(30.0)

@@ -14,9 +14,10 @@ import pytest
 import zmq.asyncio
 
 from kvserve.gateway.event_index import WorkerIndexFeed
+from kvserve.gateway.kv_event_source import EventSource
 from kvserve.gateway.policies import PrecisePolicy
 from kvserve.gateway.prefix import engine_block_hashes
-from kvserve.gateway.zmq_events import EventSource, ZmqEventFollower
+from kvserve.gateway.zmq_events import ZmqEventFollower
 from kvserve.kvevents.wire import (
     END_OF_REPLAY_SEQ,
     AllCleared,

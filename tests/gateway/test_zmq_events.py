@@ -10,9 +10,10 @@ from collections.abc import Awaitable, Callable
 import pytest
 import zmq.asyncio
 
+from kvserve.gateway.kv_event_source import EventSource
 from kvserve.gateway.policies import PrecisePolicy, RouteRequest
 from kvserve.gateway.prefix import engine_block_hashes
-from kvserve.gateway.zmq_events import EventSource, ZmqEventFollower
+from kvserve.gateway.zmq_events import ZmqEventFollower
 from kvserve.kvevents.wire import AllCleared, RemovedBlocks, StoredBlocks
 from tests.gateway.helpers import views
 from tests.gateway.zmq_publisher import ScriptedPublisher
@@ -217,7 +218,8 @@ def test_each_data_parallel_rank_is_followed_on_its_port_offset() -> None:
 
 
 @pytest.mark.parametrize(("spec", "says"), [
-    ("tcp://*:5557", "expected URL=ENDPOINT"),
+    ("tcp://10.0.0.5:5557", "a source for every worker must be one each worker binds"),
+    ("w:8000=tcp://*:5557", r"expected \[URL=\]ENDPOINT"),
     ("http://w:8000=udp://x:1", "expected tcp://HOST:PORT"),
     ("http://w:8000=tcp://*:5557,nope=1", "unknown option"),
     ("http://w:8000=tcp://*:5557,dp=0", "dp must be"),
@@ -230,3 +232,5 @@ def test_a_bad_worker_kv_events_flag_says_the_form(spec: str, says: str) -> None
 def test_the_flag_parses_every_option() -> None:
     assert EventSource.parse("http://w:8000/=tcp://*:5557,replay=tcp://*:5558,topic=kv,dp=2") == (
         "http://w:8000", EventSource("tcp://*:5557", "tcp://*:5558", "kv", 2))
+    assert EventSource.parse("tcp://*:5557,replay=tcp://*:5558") == (  # every worker's
+        None, EventSource("tcp://*:5557", "tcp://*:5558"))

@@ -1,6 +1,7 @@
 """End to end over ZMQ: kvserve workers publish their KV events on vLLM's wire
 (`--kv-events-config`), a `precise` gateway subscribes (`--worker-kv-events`), requests go
-through it with the official client, and the gateway's index matches what the workers cache."""
+through it with the official client, and the gateway's index matches what the workers cache;
+two replicas that share nothing but the workers' events route a tenant to the same worker."""
 
 from __future__ import annotations
 
@@ -15,9 +16,17 @@ from tokenizers import Tokenizer
 
 from kvserve.gateway.forward import PREDICTED_CACHED_HEADER
 from tests.gateway.conftest import SALT_SECRET, MakeClient
-from tests.gateway.processes import Process, free_port, running_gateway, running_worker_set
+from tests.gateway.processes import (
+    Process,
+    free_port,
+    running_gateway,
+    running_worker_set,
+    wait_until,
+)
 
 PROMPT = "The compliance checker reads every clause of the contract and flags the risky ones. " * 2
+RUN = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+Fleet = tuple[list[Process], Process, Process, list[tuple[int, int]]]  # + (pub, replay) ports
 
 
 def cached_hashes(worker: Process) -> set[str]:
@@ -34,7 +43,8 @@ def cached_hashes(worker: Process) -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def zmq_fleet(tiny_model: Path, proc_logs: Path) -> Iterator[tuple[list[Process], Process]]:
+def zmq_fleet(tiny_model: Path, proc_logs: Path
+              ) -> Iterator[Fleet]:
     ports = [(free_port(), free_port()) for _ in range(2)]
     flag_sets = [["--kv-events-config", json.dumps({
         "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{pub}",
@@ -44,8 +54,10 @@ def zmq_fleet(tiny_model: Path, proc_logs: Path) -> Iterator[tuple[list[Process]
         for worker, (pub, replay) in zip(workers, ports, strict=True):
             flags += ["--worker-kv-events",
                       f"{worker.url}=tcp://*:{pub},replay=tcp://*:{replay},topic=kv"]
-        with running_gateway([w.url for w in workers], proc_logs, flags) as gateway:
-            yield workers, gateway
+        urls = [w.url for w in workers]
+        with running_gateway(urls, proc_logs, flags) as a, \
+                running_gateway(urls, proc_logs, flags) as b:
+            yield workers, a, b, ports
 
 
 def kv_state(gateway: Process) -> dict[str, dict[str, object]]:
@@ -53,9 +65,9 @@ def kv_state(gateway: Process) -> dict[str, dict[str, object]]:
 
 
 def test_the_gateway_follows_kvserve_workers_over_zmq_to_their_blocks(
-        zmq_fleet: tuple[list[Process], Process], make_client: MakeClient,
+        zmq_fleet: Fleet, make_client: MakeClient,
         model_name: str) -> None:
-    workers, gateway = zmq_fleet
+    workers, gateway, _, _ = zmq_fleet
     assert all(s["synced"] and s["source"] == "zmq" for s in kv_state(gateway).values())
     client = make_client(gateway.url)
     tenant = {"X-Tenant-Id": "acme"}
@@ -101,9 +113,9 @@ def _streamed(url: str, model: str, prompt: str, tenant: str) -> tuple[int, dict
 
 
 def test_the_gateway_predicts_the_cached_tokens_the_worker_reports(
-        zmq_fleet: tuple[list[Process], Process], tiny_model: Path, model_name: str) -> None:
+        zmq_fleet: Fleet, tiny_model: Path, model_name: str) -> None:
     """The header a warm prefix gets is what the worker then serves from its cache."""
-    _, gateway = zmq_fleet
+    _, gateway, _, _ = zmq_fleet
     tokenizer = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
     # A prompt that ends mid-block: an engine computes at least the last prompt token, so a
     # prompt of whole blocks reports one block less than it caches.
@@ -126,3 +138,53 @@ def test_the_gateway_predicts_the_cached_tokens_the_worker_reports(
                        timeout=60)
     assert whole.headers[PREDICTED_CACHED_HEADER] == str(warm)  # unstreamed answers too
     assert whole.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": warm}
+
+
+def routed(gateway: Process) -> dict[tuple[str, str], float]:
+    return {(labels["worker"], labels["branch"]): value
+            for name, labels, value in gateway.metrics().samples
+            if name == "kvserve:gateway_requests_total"}
+
+
+def send(gateway: Process, model: str, tenant: str) -> tuple[str, str]:
+    """Send PROMPT for `tenant`; the (worker, branch) the gateway chose."""
+    before = routed(gateway)
+    httpx.post(f"{gateway.url}/v1/completions", json={"model": model, "prompt": PROMPT, **RUN},
+               headers={"X-Tenant-Id": tenant}, timeout=60).raise_for_status()
+    changed = [k for k, v in routed(gateway).items() if v > before.get(k, 0.0)]
+    assert len(changed) == 1, changed
+    return changed[0]
+
+
+def test_replicas_follow_the_events_to_the_same_worker(
+        zmq_fleet: Fleet, model_name: str) -> None:
+    _, a, b, _ = zmq_fleet
+    first_worker, first_branch = send(a, model_name, "initech")
+    assert first_branch == "least_load"  # nobody holds this tenant's prompt yet
+    wait_until(lambda: b.metrics().value("kvserve:gateway_kv_events_total", worker=first_worker,
+                                         type="stored") > 0, 10.0, "replica b to see the blocks")
+    assert send(b, model_name, "initech") == (first_worker, "precise_hit")
+    assert send(a, model_name, "initech") == (first_worker, "precise_hit")
+    # The same text for another tenant hashes under another salt: no hit anywhere.
+    assert send(b, model_name, "hooli")[1] == "least_load"
+
+
+def test_a_discovered_worker_is_followed_on_the_ports_every_worker_shares(
+        zmq_fleet: Fleet, tmp_path: Path, proc_logs: Path, model_name: str) -> None:
+    """--workers-file and one --worker-kv-events without a URL, as a Deployment's gateway runs:
+    the worker is followed from when it is discovered (a late join: its history replayed)."""
+    workers, _, _, ports = zmq_fleet
+    (pub, replay), url = ports[0], workers[0].url
+    listing = tmp_path / "workers"
+    listing.write_text(f"{url}\n")
+    flags = ["--policy", "precise", "--salt-secret", SALT_SECRET, "--workers-file", str(listing),
+             "--worker-kv-events", f"tcp://*:{pub},replay=tcp://*:{replay},topic=kv"]
+    with running_gateway([], proc_logs, flags, expect_healthy=1) as gateway:
+        wait_until(lambda: (kv_state(gateway)[url] or {}).get("synced") is True, 10.0,
+                   "the discovered worker's index to sync", gateway.log)
+        send(gateway, model_name, "umbrella")
+        wait_until(lambda: gateway.metrics().value("kvserve:gateway_kv_events_total", worker=url,
+                                                   type="stored") > 0, 10.0, "stored events")
+        assert gateway.metrics().value("kvserve:gateway_kv_event_resyncs_total", worker=url,
+                                       reason="join") == 1
+        assert "no KV events from" not in gateway.log()

@@ -5,13 +5,17 @@ against vLLM 0.32's recorded /metrics): what needs kvserve workers says so in it
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import generate_latest
 
+from kvserve.gateway.fleet import build_fleet
+from kvserve.gateway.settings import GatewaySettings
 from tests.ops.conftest import Servers
 from tests.ops.promql import exported_names, metric_names
 
@@ -91,10 +95,21 @@ def test_dashboard_covers_the_issue() -> None:
 
 @pytest.fixture(scope="module")
 def exported(servers: Servers) -> set[str]:
-    """Names on a live worker's and a live gateway's /metrics (one request went through), and
-    on a tensor-parallel worker's recorded one."""
+    """Names on a live worker's and a live gateway's /metrics (one request went through), on a
+    tensor-parallel worker's recorded one, and in a `precise` gateway's registry (its
+    KV-event subscriber's families are only there)."""
     return exported_names(servers.worker.metrics_text()) | exported_names(
-        servers.gateway.metrics_text()) | exported_names(TP_METRICS.read_text())
+        servers.gateway.metrics_text()) | exported_names(TP_METRICS.read_text()) | (
+        precise_gateway_names())
+
+
+def precise_gateway_names() -> set[str]:
+    fleet = build_fleet(GatewaySettings(workers=("http://127.0.0.1:9",), policy="precise"))
+    assert fleet.subscriber is not None
+    try:
+        return exported_names(generate_latest(fleet.metrics.registry).decode())
+    finally:
+        asyncio.run(fleet.subscriber.stop())
 
 
 def test_dashboard_reads_only_exported_metrics(exported: set[str]) -> None:

@@ -44,7 +44,7 @@ ROUTER_KINDS = (KVSERVE_GATEWAY, SGLANG_ROUTER, ENVOY_EPP)  # ENVOY_EPP: Envoy +
 class RouterSpec:
     """`kind:policy` (e.g. kvserve:prefix_hash, sglang:cache_aware) or `ideal`; a kvserve
     policy may carry gateway policy options, `kvserve:cache_aware@backlog_weight=0@...` (each
-    passed as `--policy-option`), and gateway flags, `kvserve:precise@--kv-events-min-interval=
+    passed as `--policy-option`), and gateway flags, `kvserve:precise@--queue-timeout=
     0.5` or `kvserve:cache_aware@--no-latency-limit` (passed as given), so variants of one
     policy run side by side."""
 

@@ -81,7 +81,6 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
     capacity, keys, foreign, subscriber = (fleet.capacity, fleet.keys, fleet.foreign,
                                            fleet.subscriber)
     discovery = fleet.discovery
-    event_sources = dict(settings.worker_kv_events)
     disagg = None
     if settings.is_disaggregated:
         disagg = DisaggregatedRouter(policy, make_policy("least_load"),
@@ -159,8 +158,7 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                                                          if w.prefix_queries else None),
              "requests": w.requests, "failures": w.failures, "backpressure": w.backpressure,
              "ejected_for_s": max(0.0, w.ejected_until - now), "last_error": w.last_error,
-             "kv_events": (subscriber.state(w.url) if subscriber is not None
-                           and w.url in event_sources else None)}
+             "kv_events": subscriber.state(w.url) if subscriber is not None else None}
             for w in pool.workers.values()]}
 
     proxy = ProxyEndpoint(forwarder, fleet.admission, metrics, settings.tenancy, keys, capacity,

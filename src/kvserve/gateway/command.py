@@ -1,28 +1,21 @@
-"""`kvserve gateway` (route to --worker URLs) and `kvserve up` (N local workers + a gateway)."""
+"""`kvserve gateway` (route to --worker URLs) and the flags it shares with `kvserve up` and
+`kvserve epp`."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import os
-import secrets
-import signal
-import socket
-import subprocess
-import sys
-import time
 
-import httpx
 import uvicorn
 from rich.console import Console
 
 from kvserve.gateway.app import GatewaySettings, create_gateway
 from kvserve.gateway.discovery import DEFAULT_INTERVAL_S
-from kvserve.gateway.kv_events import DEFAULT_MIN_POLL_INTERVAL_S
-from kvserve.gateway.policies import POLICY_NAMES, make_policy, parse_policy_options
+from kvserve.gateway.kv_event_source import EventSource
+from kvserve.gateway.policies import POLICY_NAMES, parse_policy_options
 from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
 from kvserve.gateway.tenancy import Tenancy, generated_secret
-from kvserve.gateway.zmq_events import EventSource
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +90,10 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                         "--policy precise (default: the first worker's /v1/models root, when "
                         "it is a local directory)")
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size")
-    p.add_argument("--kv-events-min-interval", type=float, default=DEFAULT_MIN_POLL_INTERVAL_S,
-                   metavar="S", help="`precise`: at least this many seconds between two reads "
-                   "of one worker's KV events (each read costs the worker CPU)")
     p.add_argument("--admin-key", default=os.environ.get("KVSERVE_ADMIN_KEY"),
-                   help="key for the workers' /kv/events (env KVSERVE_ADMIN_KEY)")
+                   help="disaggregated mode: the workers' admin key, sent to decode workers "
+                        "so they pull a prompt's KV from a prefill worker (env "
+                        "KVSERVE_ADMIN_KEY)")
     p.add_argument("--metrics-key", default=os.environ.get("KVSERVE_METRICS_KEY"),
                    help="required on this gateway's /metrics and sent to the workers' (start "
                         "them with the same --metrics-key; env KVSERVE_METRICS_KEY)")
@@ -117,11 +109,22 @@ def add_discovery_arguments(p: argparse.ArgumentParser) -> None:
                    help="workers from a file, one URL per line ('#' comments), re-read when it "
                         "changes (a mounted ConfigMap); a bad version keeps the last good one. "
                         "With --worker and --worker-dns the fleet is the union; a worker that "
-                        "leaves finishes its requests in flight and gets no new one. Discovered "
-                        "workers' KV events are long-polled (/kv/events), never followed over "
-                        "ZMQ (--worker-kv-events names static --worker URLs only)")
+                        "leaves finishes its requests in flight and gets no new one. For "
+                        "--policy precise, give the port every worker publishes its KV events "
+                        "on: --worker-kv-events tcp://*:PORT[,replay=tcp://*:PORT]")
     p.add_argument("--discovery-interval", type=float, default=DEFAULT_INTERVAL_S, metavar="S",
                    help="seconds between two reads of --worker-dns and --workers-file")
+    p.add_argument("--worker-kv-events", action="append", default=[],
+                   metavar="[URL=]ENDPOINT[,replay=ENDPOINT][,topic=T][,dp=N]",
+                   help="`precise`: follow workers' KV events over ZMQ (vLLM's "
+                        "--kv-events-config, or kvserve's), ENDPOINT as the worker was given "
+                        "it: tcp://*:PORT (the worker binds; the gateway connects to the "
+                        "worker's host) or tcp://HOST:PORT (the worker connects; the gateway "
+                        "binds it, so only one gateway can). With URL=, that worker's; "
+                        "without, every worker's not named, discovered ones included (one "
+                        "Deployment's pods share one config: tcp://*:5557,replay=tcp://*:5558)."
+                        " Repeatable. A worker with none publishes nothing to the gateway: a "
+                        "warning names it")
 
 
 def tenancy_from(args: argparse.Namespace) -> Tenancy:
@@ -156,9 +159,11 @@ def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] |
                         ("--max-queue-wait", args.max_queue_wait)):
         if not 0.0 <= value < float("inf"):
             raise ValueError(f"{flag} must be a number of seconds >= 0, got {value}")
-    if not 0.0 <= args.kv_events_min_interval <= 60.0:
-        raise ValueError("--kv-events-min-interval must be between 0 and 60 seconds, got "
-                         f"{args.kv_events_min_interval}")
+    sources = [EventSource.parse(spec) for spec in getattr(args, "worker_kv_events", [])]
+    defaults = [source for url, source in sources if url is None]
+    if len(defaults) > 1:
+        raise ValueError("--worker-kv-events without URL= is every worker's source: give it "
+                         "once (name the others' URL=)")
     prefill_urls = tuple(w.rstrip("/") for w in prefill or ())
     decode_urls = tuple(w.rstrip("/") for w in decode or ())
     return GatewaySettings(
@@ -173,9 +178,8 @@ def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] |
         tenancy=tenancy_from(args), worker_api_key=args.worker_api_key,
         trusted_salt_key=args.trusted_salt_key, metrics_key=args.metrics_key,
         tokenizer=args.tokenizer, block_size=args.block_size, admin_key=args.admin_key,
-        events_min_interval_s=args.kv_events_min_interval,
-        worker_kv_events=tuple(EventSource.parse(spec)
-                               for spec in getattr(args, "worker_kv_events", [])),
+        worker_kv_events=tuple((url, source) for url, source in sources if url is not None),
+        kv_events_default=defaults[0] if defaults else None,
         worker_dns=tuple(getattr(args, "worker_dns", [])),
         workers_file=getattr(args, "workers_file", None),
         discovery_interval_s=getattr(args, "discovery_interval", DEFAULT_INTERVAL_S),
@@ -187,13 +191,6 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     g.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="a worker's base URL (repeatable): kvserve, vLLM or SGLang")
     add_discovery_arguments(g)
-    g.add_argument("--worker-kv-events", action="append", default=[],
-                   metavar="URL=ENDPOINT[,replay=ENDPOINT][,topic=T][,dp=N]",
-                   help="`precise`: follow this --worker's KV events over ZMQ (vLLM's "
-                        "--kv-events-config, or kvserve's); ENDPOINT as the worker was given "
-                        "it: tcp://*:PORT (the worker binds; the gateway connects to the URL's "
-                        "host) or tcp://HOST:PORT (the worker connects; the gateway binds it, so "
-                        "only one gateway can). Repeatable; other workers' /kv/events is polled")
     g.add_argument("--prefill-worker", action="append", default=[], metavar="URL",
                    help="disaggregated mode: a `kvserve serve --role prefill` worker "
                         "(repeatable; chosen by --policy); needs --decode-worker, --admin-key")
@@ -202,21 +199,6 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                         "(repeatable; chosen by least load)")
     add_gateway_arguments(g)
     g.set_defaults(func=run_gateway)
-
-    u = sub.add_parser("up", help="N local kvserve workers and the gateway, one command")
-    u.add_argument("--workers", type=int, default=2, help="number of local workers")
-    u.add_argument("--prefill-workers", type=int, default=0,
-                   help="disaggregated: this many --role prefill workers (with "
-                        "--decode-workers; replaces --workers)")
-    u.add_argument("--decode-workers", type=int, default=0,
-                   help="disaggregated: this many --role decode workers")
-    u.add_argument("--decode-host-tier-bytes", type=int, default=256 << 20,
-                   help="host KV tier of each decode worker, which receives the KV")
-    u.add_argument("--model", default=None, help="HF id or local path (default: demo model)")
-    u.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
-                   help="extra argument for each `kvserve serve` (repeatable)")
-    add_gateway_arguments(u)
-    u.set_defaults(func=run_up)
 
 
 def run_gateway(args: argparse.Namespace) -> int:
@@ -242,104 +224,3 @@ def run_gateway(args: argparse.Namespace) -> int:
                                soft_wrap=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def run_up(args: argparse.Namespace) -> int:
-    console = Console(stderr=True)
-    disaggregated = bool(args.prefill_workers or args.decode_workers)
-    if disaggregated and min(args.prefill_workers, args.decode_workers) < 1:
-        console.print("[red]--prefill-workers and --decode-workers go together, each >= 1[/]")
-        return 2
-    if not disaggregated and args.workers < 1:
-        console.print("[red]--workers must be at least 1[/]")
-        return 2
-    try:  # bad options are refused before any worker starts
-        make_policy(args.policy, **parse_policy_options(args.policy_option))
-    except ValueError as exc:
-        console.print(f"[red]cannot start: {exc}[/]", soft_wrap=True)
-        return 2
-    roles = (["prefill"] * args.prefill_workers + ["decode"] * args.decode_workers
-             if disaggregated else ["both"] * args.workers)
-    # Keys shared by these workers and this gateway only, handed over in the environment (not
-    # argv, which every local user can read): the admin key for KV transfers and KV events,
-    # the salt key so that only this gateway's salts reach the workers' caches.
-    if (disaggregated or args.policy == "precise") and not args.admin_key:
-        args.admin_key = secrets.token_hex(16)
-    if not args.trusted_salt_key:
-        args.trusted_salt_key = secrets.token_hex(16)
-    worker_env = dict(os.environ, KVSERVE_TRUSTED_SALT_KEY=args.trusted_salt_key)
-    if args.admin_key:
-        worker_env["KVSERVE_ADMIN_KEY"] = args.admin_key
-    ports = [free_port() for _ in roles]
-    threads = max(1, (os.cpu_count() or 1) // len(roles))
-    # SIGTERM (systemd, Kubernetes, `kill`) must stop the workers too. uvicorn shuts down on it
-    # and then raises it again with the handler it found; with the default one, that killed
-    # this process before the `finally` below, leaving every worker running.
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    procs = []
-    for port, role in zip(ports, roles, strict=True):
-        cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port),
-               "--num-threads", str(threads), "--role", role, *args.worker_arg,
-               "--behind-gateway", f"http://{args.host}:{args.port}"]
-        if role == "decode":
-            cmd += ["--kv-host-tier-bytes", str(args.decode_host_tier_bytes)]
-        if args.model:
-            cmd += ["--model", args.model]
-        procs.append(subprocess.Popen(cmd, env=worker_env))
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    by_role = {r: [u for u, ur in zip(urls, roles, strict=True) if ur == r]
-               for r in ("both", "prefill", "decode")}
-    try:
-        with console.status(f"starting {len(roles)} workers …"):
-            _wait_healthy(urls, procs, timeout_s=300)
-        app = create_gateway(_settings(args, by_role["both"], by_role["prefill"],
-                                       by_role["decode"]))
-        gateway_url = f"http://{args.host}:{args.port}"
-        console.print(f"[green]kvserve up[/]: gateway ({args.policy}) at [bold]{gateway_url}"
-                      f"[/] → {', '.join(urls)}", soft_wrap=True)
-        console.print(f"try: curl {gateway_url}/v1/completions -H 'Content-Type: "
-                      "application/json' -d '{\"prompt\": \"Hello\", "
-                      "\"max_tokens\": 16}'", soft_wrap=True, highlight=False)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    except RuntimeError as exc:
-        console.print(f"[red]{exc}[/]", soft_wrap=True)
-        return 1
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    return 0
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _wait_healthy(urls: list[str], procs: list[subprocess.Popen[bytes]],
-                  timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    pending = set(urls)
-    while pending:
-        for url, proc in zip(urls, procs, strict=True):
-            if proc.poll() is not None:
-                raise RuntimeError(f"worker {url} exited with {proc.returncode}")
-            if url in pending:
-                try:
-                    if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                        pending.discard(url)
-                except httpx.HTTPError:
-                    pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"workers not healthy after {timeout_s:.0f}s: {sorted(pending)}")
-        time.sleep(0.2)

@@ -19,8 +19,8 @@ import logging
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from kvserve.gateway.kv_events import EventSink
 from kvserve.gateway.prefix import ROOT_HASH, engine_block_hash, engine_extra_keys
 from kvserve.kvevents.wire import (
     MEDIUM_GPU,
@@ -35,6 +35,13 @@ log = logging.getLogger(__name__)
 
 TIER_ORDER = (MEDIUM_GPU, "CPU", "DISK", "STORAGE")
 """Fastest first: the tier a block held on several media is reported at."""
+
+
+class EventSink(Protocol):
+    """What the feed tells (the precise policy): blocks stored, removed, or all cleared."""
+
+    def apply_events(self, worker_id: str, stored: Iterable[bytes] = (),
+                     removed: Iterable[bytes] = (), cleared: bool = False) -> None: ...
 
 
 @dataclass(slots=True)

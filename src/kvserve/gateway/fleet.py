@@ -16,7 +16,7 @@ from tokenizers import Tokenizer
 from kvserve.gateway.admission import Admission
 from kvserve.gateway.discovery import DiscoveryCollector, DnsName, WorkerDiscovery
 from kvserve.gateway.foreign_load import ForeignLoad
-from kvserve.gateway.kv_events import EventFollower
+from kvserve.gateway.kv_event_metrics import KvEventCollector
 from kvserve.gateway.latency_limit import LatencyLimit
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import CapacityAware, PrecisePolicy, RoutingPolicy, make_policy
@@ -68,8 +68,7 @@ class Fleet:
     upstream_client: UpstreamClient
     scraper: Scraper
     capacity: TextCapacity | None
-    follower: EventFollower | None
-    subscriber: ZmqEventFollower | None
+    subscriber: ZmqEventFollower | None  # `precise`: the workers' KV events, over ZMQ
     discovery: WorkerDiscovery | None
     on_scraped: list[Callable[[], None]] = field(default_factory=list)
 
@@ -100,16 +99,12 @@ class Fleet:
         await self.scraper.scrape_once()
         self.scraper.start()
         await self.learn(list(self.pool.workers))
-        if self.subscriber is not None:
-            self.subscriber.start()
+        if self.subscriber is not None:  # decode workers are chosen by load, not prefix
+            self.subscriber.start([url for url in self.pool.workers
+                                   if url not in self.settings.decode_workers])
             await self.subscriber.wait_subscribed(5.0)
-        if self.follower is not None:
-            await self.follower.poll_once()
-            self.follower.start()
 
     async def stop(self) -> None:
-        if self.follower is not None:
-            await self.follower.stop()
         if self.subscriber is not None:
             await self.subscriber.stop()
         if self.discovery is not None:
@@ -144,11 +139,12 @@ def build_fleet(settings: GatewaySettings,
     num_workers = len(discovery.fleet()) if discovery is not None else len(settings.workers)
     policy = make_policy(settings.policy, **dict(settings.policy_options))
     event_sources = dict(settings.worker_kv_events)
-    if event_sources and not isinstance(policy, PrecisePolicy):
+    if ((event_sources or settings.kv_events_default is not None)
+            and not isinstance(policy, PrecisePolicy)):
         raise ValueError("--worker-kv-events feeds --policy precise's index; add --policy "
                          "precise or drop --worker-kv-events")
     unknown = sorted(set(event_sources) - set(settings.workers))
-    if unknown:
+    if unknown and not settings.is_discovering:
         raise ValueError(f"--worker-kv-events names {', '.join(unknown)}, which is not a "
                          "--worker; give the same URL to both")
     latency = (LatencyLimit(settings.max_in_flight,
@@ -180,26 +176,23 @@ def build_fleet(settings: GatewaySettings,
                       on_shared=(None if on_shared is None
                                  else lambda shared: on_shared(shared, policy, foreign)),
                       metrics_key=settings.metrics_key)
-    follower = (EventFollower(pool, policy, upstream_client, settings.events_interval_s,
-                              settings.admin_key,
-                              min_interval_s=settings.events_min_interval_s)
-                if isinstance(policy, PrecisePolicy) else None)
     subscriber = None
-    if isinstance(policy, PrecisePolicy) and follower is not None and event_sources:
-        follower.unsupported.update(event_sources)  # followed over ZMQ instead
+    if isinstance(policy, PrecisePolicy):
         subscriber = ZmqEventFollower(event_sources, policy,
                                       lambda url: served_model_id(client, url),
-                                      block_size=settings.block_size)
+                                      block_size=settings.block_size,
+                                      default=settings.kv_events_default)
+        metrics.registry.register(KvEventCollector(subscriber))
     # Whatever keeps state per worker follows the fleet as workers come and go.
     pool.on_forgotten += [policy.remove_worker, metrics.forget_worker, scraper.forget]
     if capacity is not None:
         pool.on_forgotten.append(capacity.forget)
-    if follower is not None:
-        pool.on_added.append(follower.follow)
-        pool.on_forgotten.append(follower.unfollow)
+    if subscriber is not None:
+        pool.on_added.append(subscriber.follow)
+        pool.on_forgotten.append(subscriber.unfollow)
     if discovery is not None:
         metrics.registry.register(DiscoveryCollector(discovery))
     fleet = Fleet(settings, pool, policy, admission, budget, keys, foreign, metrics, client,
-                  upstream_client, scraper, capacity, follower, subscriber, discovery)
+                  upstream_client, scraper, capacity, subscriber, discovery)
     fleet_ref.append(fleet)
     return fleet

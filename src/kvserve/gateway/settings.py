@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.gateway.discovery import DEFAULT_INTERVAL_S
-from kvserve.gateway.kv_events import DEFAULT_MIN_POLL_INTERVAL_S
+from kvserve.gateway.kv_event_source import EventSource
 from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
 from kvserve.gateway.tenancy import Tenancy, generated_secret
-from kvserve.gateway.zmq_events import EventSource
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +39,11 @@ class GatewaySettings:
     metrics_key: str | None = None  # guards this /metrics; sent to the workers' /metrics
     tokenizer: str | None = None  # the workers' tokenizer, for exact keys (`precise`)
     block_size: int = 16  # the workers' KV block size, for exact keys
-    events_interval_s: float = 0.25  # `precise`: pause after a failed read of KV events
-    events_min_interval_s: float = DEFAULT_MIN_POLL_INTERVAL_S  # between reads of one worker
-    admin_key: str | None = None  # sent to the workers' /kv/events and to decode workers
-    # `precise`: workers followed over ZMQ (vLLM's KV-event wire); the others' /kv/events is
-    # long-polled.
+    admin_key: str | None = None  # sent to decode workers (KV transfers)
+    # `precise`: where workers publish their KV events (vLLM's ZMQ wire), per worker URL, and
+    # for every worker not named (discovered ones too); a worker with neither publishes none.
     worker_kv_events: tuple[tuple[str, EventSource], ...] = ()
+    kv_events_default: EventSource | None = None
     # Disaggregated mode (both non-empty): prompts prefilled on `prefill_workers` (by
     # `policy`), decoded on `decode_workers` (by least load); `workers` is then their union.
     prefill_workers: tuple[str, ...] = ()

@@ -1,5 +1,5 @@
 """A lean HTTP/1.1 client for the gateway's hot path: one POST upstream, its body streamed back
-(and the periodic GETs: metric scrapes, `precise`'s KV-event long polls).
+(and the periodic GETs: metric scrapes).
 
 Why not httpx here: its connection pool scans every pooled connection (polling each socket) on
 every request, so the gateway's cost per request grew with its concurrency; at 64 concurrent

@@ -99,7 +99,7 @@ class LLMEngine:
         self.last_audit: AuditReport | None = None
         self.model_path: Path | None = None  # the checkpoint directory, once loaded
         self.grammars: Grammars | None = None  # compiles structured-output constraints
-        self.kv_events = KVEventLog()  # the cache's events, drained every step (routers poll)
+        self.kv_events = KVEventLog()  # the cache's events, drained each step (/kv/events, ZMQ)
         self.step_tokens = StepTokens()  # tokens computed per step that computed any
         self._outputs: dict[str, RequestOutput] = {}  # live requests by id
         self._child_of: dict[str, tuple[str, int]] = {}  # engine request id -> (id, index)

@@ -166,10 +166,12 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
 
     @app.get("/kv/events", dependencies=[Depends(require_admin_key)])
     async def kv_events(after: int = 0, limit: int = 4096, wait: float = 0.0) -> dict[str, object]:
-        """The KV cache's events numbered above `after` (kvserve.runtime.kv_event_log), for
-        routers that keep an exact index of this worker's cache (the gateway's `precise`).
-        With `wait` > 0 and nothing new, the answer waits up to `wait` seconds for an event
-        (long polling: a router learns of a placement within a step, not a poll interval)."""
+        """The KV cache's events numbered above `after` (kvserve.runtime.kv_event_log) as JSON,
+        for readers outside the gateway: an operator's or an external indexer's look at what
+        this worker caches, and the tests that check the gateway's index against it. The
+        gateway follows the ZMQ stream (`--kv-events-config`), as it does vLLM's, never this
+        route. With `wait` > 0 and nothing new, the answer waits up to `wait` seconds for an
+        event (long polling)."""
         if after < 0 or not 1 <= limit <= 65_536 or not 0.0 <= wait <= MAX_EVENTS_WAIT_S:
             raise APIError(400, "'after' must be >= 0, 'limit' in [1, 65536] and 'wait' in "
                            f"[0, {MAX_EVENTS_WAIT_S:g}] seconds")
