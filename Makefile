@@ -50,8 +50,12 @@ tools:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus) \
 		>/dev/null 2>&1; } || echo "promtool unavailable: the alert-rule tests will skip"
 
+# Two test processes, each taking whole files (module-scoped servers stay in one process): the
+# suite waits on server start-ups and timeouts as much as it computes, so two overlap on 2 cores.
+# PYTEST_WORKERS=0 runs it serially.
+PYTEST_WORKERS ?= 2
 test: lint tools
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
