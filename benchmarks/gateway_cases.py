@@ -67,16 +67,6 @@ def case_of(name: str) -> Case:
                 failover=name == "failover")
 
 
-def kv_bytes_per_token(model_dir: Path) -> int:
-    """float32 K and V of every layer for one token, as the workers size their cache."""
-    import torch
-
-    from kvserve.model import ModelConfig, kv_cache_bytes_per_block
-
-    config = ModelConfig.from_file(model_dir / "config.json")
-    return kv_cache_bytes_per_block(config, 1, torch.float32)
-
-
 class Bench:
     """Everything one invocation shares: the fleet, the workload, the output console."""
 

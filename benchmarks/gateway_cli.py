@@ -43,7 +43,7 @@ from benchmarks.gateway_calibrate import (
     print_calibration,
     simulate,
 )
-from benchmarks.gateway_cases import CASES, Bench, case_of, kv_bytes_per_token
+from benchmarks.gateway_cases import CASES, Bench, case_of
 from benchmarks.gateway_overhead import OverheadRun, print_overhead
 from kvserve.bench.gateway_fleet import (
     IDEAL,
@@ -53,7 +53,10 @@ from kvserve.bench.gateway_fleet import (
 from kvserve.bench.gateway_report import CaseRun, print_pooled, print_tables
 from kvserve.bench.gateway_workload import (
     BlockTexts,
+    bench_model_prompts,
     gateway_requests,
+    kv_bytes_per_token,
+    spec_from_args,
     tenant_trace,
     working_set_tokens,
 )
@@ -64,6 +67,7 @@ from kvserve.bench.plots import (
     gateway_plots,
     require_plots,
 )
+from kvserve.bench.serve_prompts import PromptSpec
 from kvserve.bench.server_launch import (
     KVSERVE,
     VLLM,
@@ -73,7 +77,6 @@ from kvserve.bench.server_launch import (
 )
 from kvserve.gateway.prefix import DEFAULT_BLOCK_CHARS
 from kvserve.sim.client import ClientConfig
-from kvserve.workload import MultiTenantSpec
 
 DEFAULT_ROUTERS = ("ideal,kvserve:prefix_hash,kvserve:cache_aware,kvserve:round_robin,"
                    "sglang:cache_aware,sglang:round_robin")
@@ -161,17 +164,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--workers, --requests and --repeats must be >= 1 and --rate "
                              "positive")
         require_plots(args.plot)
-        spec = MultiTenantSpec(num_tenants=args.tenants, num_requests=args.requests,
-                               prefix_tokens=args.prefix_tokens,
-                               suffix_tokens=args.suffix_tokens,
-                               output_tokens=args.output_tokens, rate_per_s=args.rate,
-                               skew=0.0, seed=args.seed)
-        from kvserve.bench.engine_workloads import ensure_bench_model
-        from kvserve.bench.serve_prompts import PromptBuilder, PromptSpec
-        from kvserve.model import Tokenizer
-
-        model_dir = ensure_bench_model(args.model).resolve()
-        builder = PromptBuilder(Tokenizer.from_pretrained(model_dir))
+        spec = spec_from_args(args)
+        model_dir, builder = bench_model_prompts(args.model)
         texts = BlockTexts(builder)
     except (ValueError, OSError, PlotsUnavailable) as exc:
         err.print(str(exc), style="red", markup=False, soft_wrap=True)

@@ -11,9 +11,11 @@ token ids: SGLang's router only accepts text.
 
 from __future__ import annotations
 
+import argparse
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvserve.bench.serve_prompts import PromptBuilder
 from kvserve.workload import TRACE_BLOCK_SIZE, MultiTenantSpec, TraceRequest, multi_tenant_trace
@@ -110,3 +112,31 @@ def working_set_tokens(trace: Sequence[TraceRequest]) -> int:
                 tokens[content_id] = max(tokens.get(content_id, 0), take)
                 readers[content_id] = readers.get(content_id, 0) + 1
     return sum(n for cid, n in tokens.items() if readers[cid] > 1)
+
+
+def spec_from_args(args: argparse.Namespace) -> MultiTenantSpec:
+    """The multi-tenant workload of the gateway benchmarks' shared flags (--tenants, --requests,
+    --prefix-tokens, --suffix-tokens, --output-tokens, --rate, --seed), unskewed."""
+    return MultiTenantSpec(num_tenants=args.tenants, num_requests=args.requests,
+                           prefix_tokens=args.prefix_tokens, suffix_tokens=args.suffix_tokens,
+                           output_tokens=args.output_tokens, rate_per_s=args.rate, skew=0.0,
+                           seed=args.seed)
+
+
+def bench_model_prompts(model: str) -> tuple[Path, PromptBuilder]:
+    """The bench model's directory (made if missing) and a prompt builder in its tokenizer."""
+    from kvserve.bench.engine_workloads import ensure_bench_model
+    from kvserve.model import Tokenizer
+
+    model_dir = ensure_bench_model(model).resolve()
+    return model_dir, PromptBuilder(Tokenizer.from_pretrained(model_dir))
+
+
+def kv_bytes_per_token(model_dir: Path) -> int:
+    """float32 K and V of every layer for one token, as a local worker sizes its cache."""
+    import torch
+
+    from kvserve.model import ModelConfig, kv_cache_bytes_per_block
+
+    config = ModelConfig.from_file(model_dir / "config.json")
+    return kv_cache_bytes_per_block(config, 1, torch.float32)

@@ -49,13 +49,15 @@ from kvserve.bench.gateway_report import CaseRun, print_tables, summarize
 from kvserve.bench.gateway_workload import (
     BlockTexts,
     GatewayRequest,
+    bench_model_prompts,
     gateway_requests,
     ideal_assignment,
+    kv_bytes_per_token,
+    spec_from_args,
     tenant_trace,
     working_set_tokens,
 )
 from kvserve.bench.server_launch import KVSERVE, VLLM, CpuReading, LaunchError, LaunchSpec
-from kvserve.workload import MultiTenantSpec
 
 DEFAULT_ROUTERS = "ideal,kvserve:cache_aware,kvserve:round_robin,sglang:cache_aware"
 CASE = "base"  # the suite's name for one replica, even tenant mix, patient clients
@@ -100,16 +102,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run)
 
 
-def kv_bytes_per_token(model_dir: Path) -> int:
-    """float32 K and V of every layer for one token, as a local worker sizes its cache."""
-    import torch
-
-    from kvserve.model import ModelConfig, kv_cache_bytes_per_block
-
-    config = ModelConfig.from_file(model_dir / "config.json")
-    return kv_cache_bytes_per_block(config, 1, torch.float32)
-
-
 def served_model(url: str) -> str:
     """The first model a worker lists; ValueError saying what to pass when it lists none."""
     try:
@@ -127,17 +119,9 @@ def run(args: argparse.Namespace) -> int:
         if not routers or min(args.workers, args.requests, args.tenants) < 1 or args.rate <= 0:
             raise ValueError("--routers needs one router; --workers, --requests and --tenants "
                              "must be >= 1 and --rate positive")
-        spec = MultiTenantSpec(num_tenants=args.tenants, num_requests=args.requests,
-                               prefix_tokens=args.prefix_tokens,
-                               suffix_tokens=args.suffix_tokens,
-                               output_tokens=args.output_tokens, rate_per_s=args.rate,
-                               skew=0.0, seed=args.seed)
-        from kvserve.bench.engine_workloads import ensure_bench_model
-        from kvserve.bench.serve_prompts import PromptBuilder
-        from kvserve.model import Tokenizer
-
-        model_dir = ensure_bench_model(args.model).resolve()
-        texts = BlockTexts(PromptBuilder(Tokenizer.from_pretrained(model_dir)))
+        spec = spec_from_args(args)
+        model_dir, builder = bench_model_prompts(args.model)
+        texts = BlockTexts(builder)
         trace = tenant_trace(spec)
         requests = gateway_requests(trace, texts)
         model = args.served_model_name or (served_model(args.worker[0]) if args.worker
