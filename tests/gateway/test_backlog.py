@@ -71,7 +71,7 @@ def test_a_cached_prefix_is_left_only_for_a_backlog_of_its_size_over_the_weight(
 def test_precise_weighs_backlog_in_its_own_block_size() -> None:
     """Exact keys have 16-token blocks: the same tokens of backlog against the same tokens of
     cached prefix give the same answer as with any block size."""
-    policy = PrecisePolicy(footprint_weight=0.0, backlog_weight=0.5)
+    policy = PrecisePolicy(backlog_weight=0.5)
     hashes = tuple(bytes([i]) * 32 for i in range(10))
     policy.apply_events("a", stored=hashes)
     req = RouteRequest(hashes, "t", num_tokens=200, block_tokens=16)  # 160 tokens cached on a

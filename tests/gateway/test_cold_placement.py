@@ -9,6 +9,7 @@ import pytest
 from kvserve.gateway.policies import (
     Branch,
     CacheAwarePolicy,
+    PrecisePolicy,
     PrefixHashPolicy,
     make_policy,
 )
@@ -68,3 +69,17 @@ def test_the_default_places_a_new_prefix_where_every_replica_does() -> None:
 def test_an_unknown_cold_placement_is_refused() -> None:
     with pytest.raises(ValueError, match="cold_placement must be one of rendezvous, footprint"):
         make_policy("cache_aware", cold_placement="nearest")
+
+
+def test_precise_replicas_place_new_prefixes_alike() -> None:
+    """`precise`'s replicas share the workers' events but not what each sent and is still
+    pending: a prefix no worker holds goes in rendezvous order, so they agree on it too."""
+    workers = views(fleet(4))
+    first, second = PrecisePolicy(), PrecisePolicy()
+    for i, req in enumerate(random_requests(40, seed=1)):  # each sent its own traffic
+        (first if i % 2 else second).observe(req, f"w{i % 4}")
+    stateless = PrefixHashPolicy()
+    for req in random_requests(60, seed=2):
+        a, b = first.route(req, workers), second.route(req, workers)
+        assert a.worker_id == b.worker_id == stateless.route(req, workers).worker_id
+        assert (a.branch, a.predicted_hit_blocks) == (Branch.LEAST_LOAD, 0)

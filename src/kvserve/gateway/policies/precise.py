@@ -12,11 +12,11 @@ from kvserve.gateway.policies.base import (
     healthy_workers,
 )
 from kvserve.gateway.policies.block_index import BlockIndex
+from kvserve.gateway.policies.prefix_hash import PrefixHashPolicy
 from kvserve.gateway.policies.rendezvous import DEFAULT_PREFIX_BLOCKS
 from kvserve.gateway.policies.scoring import (
     DEFAULT_BACKLOG_WEIGHT,
     DEFAULT_BLOCK_CREDIT,
-    DEFAULT_FOOTPRINT_WEIGHT,
     DEFAULT_LOAD_WEIGHT,
     check_weights,
     score_route,
@@ -43,14 +43,17 @@ class PrecisePolicy:
     prefix counts as pending (`observe`, a small LRU per worker), so a burst of one prefix does
     not scatter; events supersede it. `max_pending_blocks_per_worker=0` disables this.
 
+    A prefix no worker holds goes in its rendezvous order (`prefix_hash`'s choice, under the
+    load bound): replicas share the workers' events but not what each of them sent and is still
+    pending, so only an order they all compute alike keeps a new tenant on one worker.
+
     A worker whose event stream is being resynchronised (`set_synced(worker, False)`: joined
     late, restarted, lost events) has an unknown index, not an empty one: until it is synced
-    again its cached blocks count for nothing (only its pending ones do) and its footprint is
-    the synced workers' mean, so new prefixes neither flock to it nor avoid it.
+    again its cached blocks count for nothing (only its pending ones do).
     """
 
     name = "precise"
-    replica_safe = True  # every replica follows the same KV events
+    replica_safe = True  # the same events, and new prefixes in the same rendezvous order
 
     def __init__(
         self,
@@ -60,12 +63,10 @@ class PrecisePolicy:
         prefix_blocks: int = DEFAULT_PREFIX_BLOCKS,
         max_blocks_per_worker: int = DEFAULT_MAX_BLOCKS_PER_WORKER,
         max_pending_blocks_per_worker: int = DEFAULT_MAX_PENDING_BLOCKS_PER_WORKER,
-        footprint_weight: float = DEFAULT_FOOTPRINT_WEIGHT,
         backlog_weight: float = DEFAULT_BACKLOG_WEIGHT,
     ) -> None:
-        check_weights(block_credit, load_weight, footprint_weight, backlog_weight)
+        check_weights(block_credit, load_weight, backlog_weight=backlog_weight)
         self.backlog_weight = backlog_weight
-        self.footprint_weight = footprint_weight
         if prefix_blocks < 1 or max_blocks_per_worker < 1 or max_pending_blocks_per_worker < 0:
             raise ValueError(
                 "prefix_blocks and max_blocks_per_worker must be >= 1 and "
@@ -77,6 +78,7 @@ class PrecisePolicy:
         self.prefix_blocks = prefix_blocks
         self.max_blocks_per_worker = max_blocks_per_worker
         self.max_pending_blocks_per_worker = max_pending_blocks_per_worker
+        self._rendezvous = PrefixHashPolicy(prefix_blocks=prefix_blocks)
         self._cached: dict[str, BlockIndex] = {}
         self._pending: dict[str, BlockIndex] = {}
         self._unsynced: set[str] = set()
@@ -125,20 +127,9 @@ class PrecisePolicy:
             load_weight=self.load_weight,
             prefix_blocks=self.prefix_blocks,
             hit_branch=Branch.PRECISE_HIT,
-            footprint=self.footprint,
-            footprint_weight=self.footprint_weight,
             backlog_weight=self.backlog_weight,
+            place_cold=self._rendezvous.route,
         )
-
-    def footprint(self, worker_id: str) -> int:
-        """Blocks the worker caches or is computing, as far as this policy knows: where a
-        prefix nobody holds goes (the emptiest), until the workers' caches are all full."""
-        pending = self._pending.get(worker_id)
-        num_pending = len(pending) if pending is not None else 0
-        if worker_id in self._unsynced:
-            synced = [self.num_cached_blocks(w) for w in self._cached if w not in self._unsynced]
-            return num_pending + (sum(synced) // len(synced) if synced else 0)
-        return self.num_cached_blocks(worker_id) + num_pending
 
     def observe(self, request: RouteRequest, worker_id: str) -> None:
         """The worker is about to compute this prefix: count it as pending until events say."""
