@@ -53,6 +53,7 @@ from kvserve.bench.gateway_fleet import (
 from kvserve.bench.gateway_report import CaseRun, print_pooled, print_tables
 from kvserve.bench.gateway_workload import (
     BlockTexts,
+    add_workload_arguments,
     bench_model_prompts,
     gateway_requests,
     kv_bytes_per_token,
@@ -82,11 +83,6 @@ DEFAULT_ROUTERS = ("ideal,kvserve:prefix_hash,kvserve:cache_aware,kvserve:round_
                    "sglang:cache_aware,sglang:round_robin")
 
 
-def _pair(text: str) -> tuple[int, int]:
-    low, _, high = text.partition(",")
-    return int(low), int(high or low)
-
-
 def _warn(err: Console) -> Callable[[str], None]:
     return lambda message: err.print(f"[yellow]{message}[/]", soft_wrap=True)
 
@@ -102,14 +98,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--worker-server", choices=(KVSERVE, VLLM), default=KVSERVE)
     p.add_argument("--model", default="tiny", help="tiny, 100m or a checkpoint dir")
     w = p.add_argument_group("workload")
-    w.add_argument("--tenants", type=int, default=10)
-    w.add_argument("--requests", type=int, default=160, help="requests per run")
-    w.add_argument("--rate", type=float, default=4.0, help="arrivals per second")
-    w.add_argument("--prefix-tokens", type=_pair, default=(2048, 3072), metavar="LO,HI")
-    w.add_argument("--suffix-tokens", type=_pair, default=(32, 96), metavar="LO,HI")
-    w.add_argument("--output-tokens", type=int, default=16)
+    add_workload_arguments(w)
     w.add_argument("--skew", type=float, default=1.2, help="Zipf skew of the 'skew' case")
-    w.add_argument("--seed", type=int, default=0)
     w.add_argument("--repeats", type=int, default=1,
                    help="runs of every case and router, with seeds --seed, --seed+1, ...; the "
                         "calibration table pools them")

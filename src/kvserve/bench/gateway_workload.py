@@ -114,6 +114,25 @@ def working_set_tokens(trace: Sequence[TraceRequest]) -> int:
     return sum(n for cid, n in tokens.items() if readers[cid] > 1)
 
 
+def token_range(text: str) -> tuple[int, int]:
+    """`LO,HI` (or one number for both) as a pair of token counts."""
+    low, _, high = text.partition(",")
+    return int(low), int(high or low)
+
+
+def add_workload_arguments(group: argparse._ArgumentGroup) -> None:
+    """The multi-tenant workload's flags, as `spec_from_args` reads them."""
+    group.add_argument("--tenants", type=int, default=10)
+    group.add_argument("--requests", type=int, default=160,
+                       help="requests per run (of each router)")
+    group.add_argument("--rate", type=float, default=4.0, help="arrivals per second")
+    group.add_argument("--prefix-tokens", type=token_range, default=(2048, 3072),
+                       metavar="LO,HI")
+    group.add_argument("--suffix-tokens", type=token_range, default=(32, 96), metavar="LO,HI")
+    group.add_argument("--output-tokens", type=int, default=16)
+    group.add_argument("--seed", type=int, default=0)
+
+
 def spec_from_args(args: argparse.Namespace) -> MultiTenantSpec:
     """The multi-tenant workload of the gateway benchmarks' shared flags (--tenants, --requests,
     --prefix-tokens, --suffix-tokens, --output-tokens, --rate, --seed), unskewed."""

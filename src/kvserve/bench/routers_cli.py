@@ -49,6 +49,7 @@ from kvserve.bench.gateway_report import CaseRun, print_tables, summarize
 from kvserve.bench.gateway_workload import (
     BlockTexts,
     GatewayRequest,
+    add_workload_arguments,
     bench_model_prompts,
     gateway_requests,
     ideal_assignment,
@@ -61,11 +62,6 @@ from kvserve.bench.server_launch import KVSERVE, VLLM, CpuReading, LaunchError, 
 
 DEFAULT_ROUTERS = "ideal,kvserve:cache_aware,kvserve:round_robin,sglang:cache_aware"
 CASE = "base"  # the suite's name for one replica, even tenant mix, patient clients
-
-
-def _pair(text: str) -> tuple[int, int]:
-    low, _, high = text.partition(",")
-    return int(low), int(high or low)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -91,13 +87,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="shared prefixes / one worker's KV cache (sizes each worker's cache)")
     f.add_argument("--startup-timeout", type=float, default=300.0)
     w = p.add_argument_group("workload")
-    w.add_argument("--tenants", type=int, default=10)
-    w.add_argument("--requests", type=int, default=160, help="requests per router")
-    w.add_argument("--rate", type=float, default=4.0, help="arrivals per second")
-    w.add_argument("--prefix-tokens", type=_pair, default=(2048, 3072), metavar="LO,HI")
-    w.add_argument("--suffix-tokens", type=_pair, default=(32, 96), metavar="LO,HI")
-    w.add_argument("--output-tokens", type=int, default=16)
-    w.add_argument("--seed", type=int, default=0)
+    add_workload_arguments(w)
     p.add_argument("--json", type=Path, default=None, help="write every run's figures here")
     p.set_defaults(func=run)
 
