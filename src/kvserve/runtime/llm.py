@@ -24,10 +24,11 @@ Prompt = str | Sequence[int] | Mapping[str, Any]
 class LLM:
     """Batch generation with continuous batching over the paged, prefix-cached KV cache.
 
-    `LLM()` runs the built-in demo model; `LLM(model="Qwen/Qwen2.5-0.5B-Instruct")` or a local
-    directory runs a real checkpoint. Keyword arguments are `EngineArgs` fields, plus vLLM's
-    that state what kvserve always does (`trust_remote_code`, `enforce_eager`, ...; see
-    runtime/llm_inputs); one kvserve cannot honour is a ValueError naming it.
+    `LLM()` runs the default model (SmolLM2-135M-Instruct, runtime/default_model);
+    `LLM(model="Qwen/Qwen2.5-0.5B-Instruct")`, a local directory or a GGUF file runs another.
+    Keyword arguments are `EngineArgs` fields, plus vLLM's that state what kvserve always does
+    (`trust_remote_code`, `enforce_eager`, ...; see runtime/llm_inputs); one kvserve cannot
+    honour is a ValueError naming it.
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:

@@ -42,7 +42,6 @@ from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
 from kvserve.model.tensor_parallel import ShardSpec, check_shardable
 from kvserve.runtime.collective_stats import CollectiveStats
-from kvserve.runtime.demo_model import DEMO_MODEL_NAME, ensure_demo_model
 from kvserve.runtime.engine_args import EngineArgs, kv_cache_dtype_name
 from kvserve.runtime.host_memory import reuse_freed_host_memory
 from kvserve.runtime.kv_event_log import KVEventLog
@@ -121,7 +120,7 @@ class LLMEngine:
         world_size = args.tensor_parallel_size
         group: RankGroup | None = None
         if world_size > 1:
-            path = args.model or str(ensure_demo_model())
+            path = args.model_path()
             check_shardable(ModelConfig.from_file(resolve_model_path(path) / "config.json"),
                             world_size)
             group = RankGroup(args, rendezvous or Rendezvous.from_env(world_size))
@@ -159,7 +158,7 @@ class LLMEngine:
         if max_model_len > config.max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's "
                              f"max_position_embeddings {config.max_position_embeddings}")
-        name = args.served_model_name or (DEMO_MODEL_NAME if args.model is None else args.model)
+        name = args.served_name()
         kv_cache = KVCacheManager(num_blocks, args.block_size,
                                   enable_prefix_caching=args.enable_prefix_caching,
                                   enable_events=True, model_id=name,

@@ -7,7 +7,6 @@ import torch
 from kvserve.model import LoadedModel, cpu_kernels, load_model
 from kvserve.model.onednn_linear import onednn_available
 from kvserve.model.tensor_parallel import ShardSpec
-from kvserve.runtime.demo_model import ensure_demo_model
 from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.memory_budget import model_bytes
 
@@ -23,7 +22,7 @@ def load_rank_model(args: EngineArgs, shard: ShardSpec, device: str) -> tuple[Lo
     """Load `shard` of the model on `device`, with the CPU kernels and oneDNN packing applied
     as `args` asks (built now, not inside the first request); and the bytes of its weights as
     loaded (packing replaces them with copies the module tree no longer counts)."""
-    path = args.model or str(ensure_demo_model())
+    path = args.model_path()
     dtype = DTYPES[args.dtype] if args.dtype else None
     loaded = load_model(path, device=device, dtype=dtype, shard=shard, revision=args.revision,
                         cache_dir=args.download_dir)

