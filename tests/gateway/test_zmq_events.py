@@ -234,3 +234,18 @@ def test_the_flag_parses_every_option() -> None:
         "http://w:8000", EventSource("tcp://*:5557", "tcp://*:5558", "kv", 2))
     assert EventSource.parse("tcp://*:5557,replay=tcp://*:5558") == (  # every worker's
         None, EventSource("tcp://*:5557", "tcp://*:5558"))
+
+
+@pytest.mark.parametrize("worker_binds", [True, False], ids=["worker-binds", "worker-connects"])
+def test_once_synced_the_next_live_batch_arrives(worker_binds: bool) -> None:
+    """Synced means subscribed: the first batch published after it is received, not dropped
+    by a PUB that has not yet heard the subscription (ZMQ's slow joiner). It follows a
+    publisher that connected before the subscriber bound, as `kvserve up` starts them."""
+    async def scenario(pub: ScriptedPublisher, follower: ZmqEventFollower,
+                       policy: PrecisePolicy) -> None:
+        await asyncio.sleep(0.15)  # the publisher has already tried (and failed) to connect
+        follower.start()
+        await until(lambda: policy.is_synced(URL))
+        await pub.batch([block(1)])  # no probe, no sleep: the one batch must come
+        await until(lambda: held(policy, 1), 3.0)
+    run(scenario, worker_binds=worker_binds)

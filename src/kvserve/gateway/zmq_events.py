@@ -146,7 +146,8 @@ class ZmqEventFollower:
         self.policy.set_synced(url, True)  # no longer "unknown": not a worker at all
 
     async def wait_subscribed(self, timeout_s: float) -> None:
-        """Until every worker's sockets are attached (its model id resolved), or the timeout."""
+        """Until every worker's stream is synced a first time (its publisher connected, its
+        replay applied: a batch published from then on arrives), or the timeout."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in self._ready.values())),
                                    timeout_s)
@@ -192,22 +193,40 @@ class ZmqEventFollower:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
         sub.setsockopt(zmq.LINGER, 0)
+        # A PUB drops what it sends before a subscriber's subscription reaches it (ZMQ's slow
+        # joiner), and says nothing. So the replay that makes the index whole is asked for only
+        # once the publisher's connection is up (its handshake, which the subscription follows
+        # on the same connection), and again after each reconnection.
+        joined = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         (sub.bind if bind else sub.connect)(address)
         replay = None
         if source.replay_endpoint is not None:
             replay = subscriber_address(rank_endpoint(source.replay_endpoint, rank), host)[0]
-        if url in self._ready:
-            self._ready[url].set()
         stream = _Stream(stats)
+        poller = zmq.asyncio.Poller()
+        poller.register(sub, zmq.POLLIN)
+        poller.register(joined, zmq.POLLIN)
         try:
+            if await joined.poll(int(self.replay_timeout_s * 1000)):  # else: replayed on join
+                await joined.recv_multipart()
             stats.resyncs[ResyncReason.JOIN] += 1
             await self._resync(url, feed, stream, rank, replay, None)  # what came before us
+            if url in self._ready:  # synced: what is published from now on arrives
+                self._ready[url].set()
             while True:
-                frames = await sub.recv_multipart()
-                message = self._decode(url, stream, frames)
-                if message is not None:
-                    await self._on_message(url, feed, stream, rank, replay, message)
+                ready = dict(await poller.poll())
+                if joined in ready:  # (re)connected: what it sent meanwhile was dropped
+                    await joined.recv_multipart()
+                    if replay is not None:
+                        stats.resyncs[ResyncReason.JOIN] += 1
+                        await self._resync(url, feed, stream, rank, replay, None)
+                if sub in ready:
+                    message = self._decode(url, stream, await sub.recv_multipart())
+                    if message is not None:
+                        await self._on_message(url, feed, stream, rank, replay, message)
         finally:
+            sub.disable_monitor()
+            joined.close(0)
             sub.close(0)
 
     def _decode(self, url: str, stream: _Stream, frames: list[bytes]) -> EventMessage | None:
