@@ -221,5 +221,5 @@ def _add(writer: gguf.GGUFWriter, name: str, w: np.ndarray, qtype: T,
         writer.add_tensor(name, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
 
 
-__all__ = ["CHAT_TEMPLATE", "Vocabulary", "gpt2_vocabulary", "llama_vocabulary", "tiny_config",
-           "write_gguf"]
+__all__ = ["CHAT_TEMPLATE", "SPM_CHAT_TEMPLATE", "Vocabulary", "gpt2_vocabulary",
+           "llama_vocabulary", "tiny_config", "write_gguf"]
