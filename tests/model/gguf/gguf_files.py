@@ -196,9 +196,9 @@ def write_gguf(path: Path, config_dict: dict[str, Any], vocab: Vocabulary, qtype
     rng = np.random.default_rng(seed)
     for name, tensor in random_weights(config, seed).items():
         w = tensor.to(torch.float32).numpy()
-        if arch in ("llama", "mistral") and name.endswith("q_proj.weight"):
+        if arch in ("llama", "mistral") and ".q_proj." in name:  # weight and bias
             w = interleave_rope_rows(w, config.num_attention_heads)
-        elif arch in ("llama", "mistral") and name.endswith("k_proj.weight"):
+        elif arch in ("llama", "mistral") and ".k_proj." in name:
             w = interleave_rope_rows(w, config.num_key_value_heads)
         _add(writer, gguf_tensor_name(name), w, qtype, rng)
     writer.write_header_to_file()
