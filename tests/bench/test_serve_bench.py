@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,24 @@ def test_absent_or_unreachable_servers_are_skipped_not_fatal(model_dir, monkeypa
     assert [(r["server"], r["concurrency"]) for r in rows] == [(dead, 2), ("vllm", 2)]
     assert "ConnectError" in rows[0]["skipped"]
     assert "vLLM is not installed" in rows[1]["skipped"]
+
+
+def test_llamacpp_is_given_the_gguf_file_and_skipped_without_one(tmp_path, monkeypatch):
+    from kvserve.bench.server_launch import LLAMACPP, LaunchError, LaunchSpec, server_command
+
+    python = tmp_path / "python"
+    python.touch()
+    monkeypatch.setenv("KVSERVE_LLAMACPP_PYTHON", str(python))
+    spec = LaunchSpec(model_dir=tmp_path, served_model_name="m", kv_cache_bytes=1 << 20,
+                      max_model_len=512, max_num_seqs=4, max_num_batched_tokens=256,
+                      num_threads=2)
+    with pytest.raises(LaunchError, match="--gguf FILE"):
+        server_command(LLAMACPP, spec, 8000)
+    gguf = tmp_path / "m.gguf"
+    cmd, _ = server_command(LLAMACPP, replace(spec, gguf_file=gguf), 8000)
+    assert cmd[:3] == [str(python), "-m", "llama_cpp.server"]
+    assert cmd[cmd.index("--model") + 1] == str(gguf)
+    assert cmd[cmd.index("--n_ctx") + 1] == "512" and cmd[cmd.index("--n_threads") + 1] == "2"
+    monkeypatch.setenv("KVSERVE_LLAMACPP_PYTHON", str(tmp_path / "absent"))
+    with pytest.raises(LaunchError, match=r"llama\.cpp's server is not installed"):
+        server_command(LLAMACPP, replace(spec, gguf_file=gguf), 8000)

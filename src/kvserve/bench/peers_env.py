@@ -22,6 +22,14 @@ def vllm_python() -> Path | None:
     return candidate if candidate.exists() else None
 
 
+def llamacpp_python() -> Path | None:
+    """The interpreter of llama-cpp-python's server: `$KVSERVE_LLAMACPP_PYTHON`, else the PEERS
+    venv (docs/peers.md builds it)."""
+    explicit = os.environ.get("KVSERVE_LLAMACPP_PYTHON")
+    candidate = Path(explicit) if explicit else peers_root() / "llamacpp" / "bin" / "python"
+    return candidate if candidate.exists() else None
+
+
 def missing_peer_message(name: str, env_var: str) -> str:
     return (
         f"{name} is not installed, so it is not measured: install it as docs/peers.md says "

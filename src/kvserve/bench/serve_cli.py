@@ -58,6 +58,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
     g.add_argument("--threads", type=int, default=2, help="compute threads per server")
     g.add_argument("--vllm-eager", action="store_true", help="start vLLM with --enforce-eager")
+    g.add_argument("--gguf", type=Path, default=None, metavar="FILE",
+                   help="the same model as a GGUF file, for llama.cpp's server (--launch llamacpp)")
     g.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to /health")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="one JSON object per server x concurrency")
@@ -172,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
                       kv_cache_bytes=args.kv_cache_memory_bytes,
                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
-                      num_threads=args.threads, vllm_eager=args.vllm_eager)
+                      num_threads=args.threads, vllm_eager=args.vllm_eager,
+                      gguf_file=None if args.gguf is None else args.gguf.resolve())
     runs = [bench_url(u, workload, args, err) for u in args.urls]
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-serve-") as tmp:
         runs += [bench_launched(n, spec, workload, args, Path(tmp), err) for n in launches]

@@ -1,9 +1,10 @@
 """Start, health-check and stop the OpenAI-compatible servers that `kvserve bench serve` measures.
 
 Each server runs in its own process group on a free loopback port, its output going to a log
-file; `stop()` ends that group only. Both servers get the same model directory, served model
+file; `stop()` ends that group only. kvserve and vLLM get the same model directory, served model
 name, dtype (float32), KV cache budget in bytes, max_model_len, max_num_seqs,
-max_num_batched_tokens and compute threads, with prefix caching on.
+max_num_batched_tokens and compute threads, with prefix caching on; llama.cpp's server gets the
+same model as a GGUF file, the served name, the threads and the context length.
 """
 
 from __future__ import annotations
@@ -23,11 +24,12 @@ from typing import Self, TypeVar
 
 import httpx
 
-from kvserve.bench.peers_env import missing_peer_message, vllm_python
+from kvserve.bench.peers_env import llamacpp_python, missing_peer_message, vllm_python
 
 KVSERVE = "kvserve"
 VLLM = "vllm"
-SERVERS = (KVSERVE, VLLM)
+LLAMACPP = "llamacpp"
+SERVERS = (KVSERVE, VLLM, LLAMACPP)
 LOG_TAIL_CHARS = 1500
 
 
@@ -67,6 +69,7 @@ class LaunchSpec:
     cpus: str | None = None  # vLLM's OpenMP binding, e.g. "1" or "0-1" (default: 0..threads-1)
     block_size: int | None = None  # KV block size in tokens (default: the server's)
     extra_args: tuple[str, ...] = ()  # appended to the server's command line as given
+    gguf_file: Path | None = None  # the same model as a GGUF file: what llama.cpp's server reads
 
 
 def free_port() -> int:
@@ -103,7 +106,24 @@ def server_command(name: str, spec: LaunchSpec, port: int) -> tuple[list[str], d
                "--enable-prefix-caching", "--seed", "0", "--disable-uvicorn-access-log"]
         cmd += list(spec.extra_args)
         return (cmd + ["--enforce-eager"] if spec.vllm_eager else cmd), env
+    if name == LLAMACPP:
+        return _llamacpp_command(spec, port), env
     raise LaunchError(f"unknown server {name!r}; choose from {', '.join(SERVERS)}")
+
+
+def _llamacpp_command(spec: LaunchSpec, port: int) -> list[str]:
+    """llama-cpp-python's server on the GGUF file: it runs the file's quantized weights itself,
+    one sequence at a time, with the same threads and context length."""
+    python = llamacpp_python()
+    if python is None:
+        raise LaunchError(missing_peer_message("llama.cpp's server", "KVSERVE_LLAMACPP_PYTHON"))
+    if spec.gguf_file is None:
+        raise LaunchError("llama.cpp's server reads GGUF files only: pass --gguf FILE (the same "
+                          "model as a .gguf)")
+    return [str(python), "-m", "llama_cpp.server", "--model", str(spec.gguf_file),
+            "--model_alias", spec.served_model_name, "--host", "127.0.0.1", "--port", str(port),
+            "--n_threads", str(spec.num_threads), "--n_threads_batch", str(spec.num_threads),
+            "--n_ctx", str(spec.max_model_len), "--verbose", "False"]
 
 
 class ManagedProcess(ABC):
@@ -226,6 +246,8 @@ class LaunchedServer(ManagedProcess):
     def __init__(self, name: str, spec: LaunchSpec, log_dir: Path, startup_timeout_s: float):
         super().__init__(name, log_dir, startup_timeout_s)
         self.spec = spec
+        if name == LLAMACPP:
+            self.health_path = "/v1/models"  # llama-cpp-python's server has no /health
 
     def command(self) -> tuple[list[str], dict[str, str]]:
         return server_command(self.name, self.spec, self.port)
