@@ -71,7 +71,7 @@ def open_gguf(path: str | Path) -> GGUFFile:
 def _parse(path: Path, blob: np.ndarray) -> GGUFFile:
     # The header is parsed here rather than by gguf.GGUFReader, which builds a numpy array per
     # array element: ~10 s for a 49k-token vocabulary, against ~0.1 s this way.
-    buffer = memoryview(blob)
+    buffer = blob.data  # a memoryview of the map
     if bytes(buffer[:4]) != b"GGUF":
         raise ModelLoadError(f"{path}: not a GGUF file (no GGUF magic at its start)")
     version, num_tensors, num_kv = struct.unpack_from("<IQQ", buffer, 4)
