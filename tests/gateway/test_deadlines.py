@@ -195,15 +195,20 @@ def test_answers_in_time_let_a_queued_request_in_through_the_slot() -> None:
 
 
 def test_lateness_is_the_workers_time_not_the_wait_for_admission() -> None:
-    from kvserve.gateway.proxy_endpoint import _Budget
+    from kvserve.gateway.core.lifecycle import Dispatch, Ledger
+    from kvserve.gateway.policies import RoundRobinPolicy, RouteRequest
+
+    def dispatch(timeout_s: float | None, ttft_target_s: float | None) -> Dispatch:
+        return Dispatch(RoundRobinPolicy(), Ledger(), RouteRequest(()), started=0.0,
+                        admitted=5.0, deadline=timeout_s, ttft_target_s=ttft_target_s)
 
     # A 10 s client that waited 5 s for admission: the workers had 5 s, and 3/4 of that is
     # late, although 8 s after arrival is already past 3/4 of the client's timeout.
-    budget = _Budget(started=0.0, timeout_s=10.0, ttft_target_s=None, admitted=5.0)
+    budget = dispatch(10.0, None)
     assert not budget.is_late(8.0)
     assert budget.is_late(9.0)
-    assert _Budget(0.0, 10.0, 2.0, admitted=5.0).is_late(7.5)  # --ttft-target 2 s
-    assert not _Budget(0.0, None, None, admitted=5.0).is_late(500.0)  # nothing said
+    assert dispatch(10.0, 2.0).is_late(7.5)  # --ttft-target 2 s
+    assert not dispatch(None, None).is_late(500.0)  # nothing said
 
 
 def test_the_latency_limit_neither_bounds_nor_learns_where_it_does_not_apply() -> None:

@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvserve.gateway.core.lifecycle import Router
 from kvserve.gateway.fleet import build_fleet
 from kvserve.gateway.foreign_load import ForeignLoad
 from kvserve.gateway.forward import Forwarder
@@ -82,7 +83,11 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                                            fleet.subscriber)
     discovery = fleet.discovery
     disagg = None
+    router: Router = policy
     if settings.is_disaggregated:
+        if not settings.admin_key:
+            raise ValueError("disaggregated mode needs --admin-key (the workers' admin key): "
+                             "decode workers honour the prefill worker's URL only with it")
         disagg = DisaggregatedRouter(policy, make_policy("least_load"),
                                      settings.prefill_workers, settings.decode_workers)
         if set(settings.workers) != disagg.prefill_ids | disagg.decode_ids:
@@ -90,8 +95,9 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
                              "--decode-worker; drop the plain --worker URLs")
         for url, worker in pool.workers.items():
             worker.role = disagg.role_of(url)
-    forwarder = Forwarder(pool, policy, fleet.upstream_client, fleet.budget, metrics,
-                          settings.policy, settings.request_timeout_s, disagg, settings.admin_key)
+        router = disagg
+    forwarder = Forwarder(pool, router, fleet.upstream_client, fleet.budget, metrics,
+                          settings.policy, settings.request_timeout_s, settings.admin_key)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

@@ -14,12 +14,20 @@ import httpx
 from tokenizers import Tokenizer
 
 from kvserve.gateway.admission import Admission
+from kvserve.gateway.core.lifecycle import Dispatch, Hold
 from kvserve.gateway.discovery import DiscoveryCollector, DnsName, WorkerDiscovery
 from kvserve.gateway.foreign_load import ForeignLoad
 from kvserve.gateway.kv_event_metrics import KvEventCollector
 from kvserve.gateway.latency_limit import LatencyLimit
 from kvserve.gateway.metrics import GatewayMetrics
-from kvserve.gateway.policies import CapacityAware, PrecisePolicy, RoutingPolicy, make_policy
+from kvserve.gateway.policies import (
+    CapacityAware,
+    PrecisePolicy,
+    RouteRequest,
+    RoutingPolicy,
+    make_policy,
+)
+from kvserve.gateway.pool_ledger import PoolLedger
 from kvserve.gateway.prepare import Prepared
 from kvserve.gateway.retry_budget import RetryBudget
 from kvserve.gateway.scraper import Scraper
@@ -71,6 +79,17 @@ class Fleet:
     subscriber: ZmqEventFollower | None  # `precise`: the workers' KV events, over ZMQ
     discovery: WorkerDiscovery | None
     on_scraped: list[Callable[[], None]] = field(default_factory=list)
+    ledger: PoolLedger = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.ledger = PoolLedger(self.pool, self.metrics, self.settings.policy)
+
+    def dispatch(self, route: RouteRequest, started: float, admitted: float,
+                 deadline: float | None, hold: Hold | None) -> Dispatch:
+        """An admitted request's lifecycle on this fleet's pool, policy and metrics."""
+        return Dispatch(self.policy, self.ledger, route, started=started, admitted=admitted,
+                        deadline=deadline, ttft_target_s=self.settings.ttft_target_s,
+                        hold=hold)
 
     def scraped(self) -> None:
         self.admission.refresh()

@@ -14,18 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvserve.client_timeout import TIMEOUT_HEADER, format_timeout
+from kvserve.gateway.core.lifecycle import BACKPRESSURE, Dispatch, Hold, Router
 from kvserve.gateway.metrics import GatewayMetrics
-from kvserve.gateway.policies import (
-    DisaggregatedRouter,
-    RouteDecision,
-    RouteRequest,
-    RoutingPolicy,
-)
+from kvserve.gateway.policies import RouteRequest
+from kvserve.gateway.pool_ledger import PoolLedger
 from kvserve.gateway.retry_budget import RetryBudget
 from kvserve.gateway.upstream_http import UpstreamClient, UpstreamError, UpstreamResponse
 from kvserve.gateway.worker_pool import WorkerPool
 
-BACKPRESSURE = (429, 503)
 PREDICTED_CACHED_HEADER = "x-kvserve-predicted-cached-tokens"
 """On each answer the proxy relays: the prompt tokens the policy expected the worker to have
 cached (`Upstream.predicted_cached_tokens`), so a client can check the routing's prediction
@@ -52,14 +48,15 @@ class Upstream:
 
     worker_url: str
     response: UpstreamResponse
-    decision: RouteDecision
-    pool: WorkerPool
+    dispatch: Dispatch  # holds the request's counts on the worker until `close`
     closed: bool = False
     ended: bool = False  # the whole body was read: the worker is done with the request
-    # Prompt tokens the policy expected this worker to serve from its cache: its matched
-    # prefix blocks in the key's tokens (approximate for text keys), at most the prompt. None
-    # where it made no prediction for the worker that answered (a failover, disaggregated).
-    predicted_cached_tokens: int | None = None
+
+    @property
+    def predicted_cached_tokens(self) -> int | None:
+        """Prompt tokens the policy expected this worker to serve from its cache
+        (`Dispatch.predicted_cached_tokens`)."""
+        return self.dispatch.predicted_cached_tokens()
 
     async def read(self) -> bytes:
         try:
@@ -82,96 +79,63 @@ class Upstream:
     async def close(self) -> None:
         if not self.closed:
             self.closed = True
-            worker = self.pool.get(self.worker_url)
-            if not self.ended:  # the worker may count it until it sees the disconnect
-                worker.abandoned += 1
-            self.pool.end_request(worker)  # a draining worker's last one lets it go
+            self.dispatch.end(finished=self.ended)
             await self.response.aclose()
 
 
 class Forwarder:
-    """Routes with `policy` over `pool` and opens upstream responses with `client`. With
-    `disagg`, the request goes to a decode worker (by load) with a header naming the prefill
-    worker (by prefix) it pulls the prompt's KV from, authenticated with `admin_key`."""
+    """Sends a dispatch's request over `pool` with `client`: to its pick, then its fallbacks
+    while nothing has reached the client and the retry budget allows. A pick with a prefill
+    worker (disaggregated routing) goes to the decode worker with a header naming the prefill
+    worker it pulls the prompt's KV from, authenticated with `admin_key`."""
 
-    def __init__(self, pool: WorkerPool, policy: RoutingPolicy, client: UpstreamClient,
+    def __init__(self, pool: WorkerPool, router: Router, client: UpstreamClient,
                  budget: RetryBudget, metrics: GatewayMetrics, policy_name: str,
-                 request_timeout_s: float | None, disagg: DisaggregatedRouter | None = None,
-                 admin_key: str | None = None) -> None:
-        if disagg is not None and not admin_key:
-            raise ValueError("disaggregated mode needs --admin-key (the workers' admin key): "
-                             "decode workers honour the prefill worker's URL only with it")
-        self.disagg = disagg
+                 request_timeout_s: float | None, admin_key: str | None = None) -> None:
         self.admin_key = admin_key
         self.pool = pool
-        self.policy = policy
+        self.router = router
+        self.ledger = PoolLedger(pool, metrics, policy_name)
         self.client = client
         self.budget = budget
         self.metrics = metrics
-        self.policy_name = policy_name
         self.read_timeout_s = request_timeout_s  # per read, as httpx's read timeout
 
+    def dispatch(self, route: RouteRequest, started: float, admitted: float | None = None,
+                 deadline: float | None = None, ttft_target_s: float | None = None,
+                 hold: Hold | None = None) -> Dispatch:
+        """A new request's lifecycle on this forwarder's pool and router (`admitted`: when
+        admission let it through, default `started`)."""
+        return Dispatch(self.router, self.ledger, route, started=started,
+                        admitted=started if admitted is None else admitted, deadline=deadline,
+                        ttft_target_s=ttft_target_s, hold=hold)
+
     async def open(self, path: str, body: dict[str, Any], headers: dict[str, str],
-                   route: RouteRequest, started: float,
-                   deadline: float | None = None) -> Upstream:
+                   dispatch: Dispatch, deadline: float | None = None) -> Upstream:
         """The first worker (in ranked order) that accepts the request. With `deadline` (on
         time.monotonic), each attempt tells the worker the seconds left (TIMEOUT_HEADER)."""
         now = time.monotonic()
-        prefill_url: str | None = None
-        if self.disagg is not None:
-            split = self.disagg.route(route, self.pool.views(now))
-            decision, prefill_url = split.decode, split.prefill.worker_id
-            prefill_hit_blocks = split.prefill.predicted_hit_blocks
-            assert self.admin_key is not None
-            headers = {**headers, PREFILL_URL_HEADER: prefill_url,
+        decision = dispatch.pick(self.pool.views(now))
+        if decision.prefill is not None:
+            assert self.admin_key, "create_gateway checks disaggregated mode has one"
+            headers = {**headers, PREFILL_URL_HEADER: decision.prefill.worker_id,
                        ADMIN_KEY_HEADER: self.admin_key}
-            self.metrics.requests.labels(prefill_url, f"prefill_{split.prefill.branch}",
-                                         self.policy_name).inc()
-        else:
-            decision = self.policy.route(route, self.pool.views(now))
-            prefill_hit_blocks = decision.predicted_hit_blocks
-        candidates = [decision.worker_id] + [u for u in decision.ranked
-                                             if u != decision.worker_id]
         payload = json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
         last: NoWorkerAvailable | None = None
-        for attempt, url in enumerate(candidates):
+        for url in dispatch.candidates():
             # A worker that left the fleet since the decision takes no new request.
             state = self.pool.workers.get(url)
             if state is None or state.draining:
                 continue
-            if attempt > 0:
+            reason = None
+            if url != decision.worker_id:
                 if not state.takes_traffic(now):
                     continue
                 if not self.budget.try_spend(time.monotonic()):
                     self.metrics.retry_denied.inc()
                     break
-                self.metrics.retries.labels("backpressure" if last and last.status in
-                                            BACKPRESSURE else "error").inc()
-            worker = self.pool.get(url)
-            worker.in_flight += 1
-            worker.dispatched += 1
-            # Recorded now, not when the worker answers: a kvserve worker sends its headers
-            # with the first token, and a burst of one prefix arriving meanwhile must see where
-            # it went (else each finds no holder and the prefix is computed on every worker).
-            if self.disagg is not None and prefill_url is not None:
-                self.disagg.observe(route, prefill_url, url)
-            else:
-                self.policy.observe(route, url)
-            if attempt == 0:
-                self.metrics.added_latency.observe(time.monotonic() - started)
-            # The prefill worker is busy with this request until the decode worker answers
-            # (a kvserve worker sends its headers once the KV arrived and a token is out).
-            prefill = self.pool.get(prefill_url) if prefill_url is not None else None
-            if prefill is not None:
-                prefill.in_flight += 1
-                prefill.dispatched += 1
-            # The prompt's prefill is work ahead of later requests on the worker computing it,
-            # until the first byte (a kvserve worker answers with its first token). A unified
-            # retry goes where the policy predicted nothing: count the whole prompt there.
-            computing = prefill if prefill is not None else worker
-            backlog = route.uncached_tokens(
-                prefill_hit_blocks if attempt == 0 or prefill is not None else 0)
-            computing.prefill_backlog_tokens += backlog
+                reason = "backpressure" if last and last.status in BACKPRESSURE else "error"
+            dispatch.send(url, time.monotonic(), reason)
             sent = headers if deadline is None else {
                 **headers, TIMEOUT_HEADER: format_timeout(deadline - time.monotonic())}
             try:
@@ -180,17 +144,13 @@ class Forwarder:
             except UpstreamError as exc:
                 self.pool.record_failure(url, f"{type(exc).__name__}: {exc}", time.monotonic())
                 self.metrics.upstream_errors.labels(url, type(exc).__name__).inc()
-                self.pool.end_request(worker)  # last: a draining worker may be forgotten now
+                dispatch.failed()  # last: a draining worker may be forgotten now
                 last = NoWorkerAvailable(f"worker {url} unreachable: {type(exc).__name__}")
                 continue
             except BaseException:  # cancelled, or a header that cannot be sent: nothing is open
-                self.pool.end_request(worker)
+                dispatch.failed()
                 raise
-            finally:
-                computing.prefill_backlog_tokens -= backlog
-                if prefill is not None:
-                    self.pool.end_request(prefill)
-            if response.status_code in BACKPRESSURE:
+            if dispatch.answered_by(response.status_code):
                 content: bytes | None = None  # unreadable: the gateway answers for it
                 try:
                     content = await response.aread()
@@ -198,21 +158,9 @@ class Forwarder:
                     pass
                 finally:
                     await response.aclose()
-                    self.pool.end_request(worker)
-                self.pool.record_backpressure(url)
+                    dispatch.failed()
                 last = NoWorkerAvailable(f"worker {url} is saturated", response.status_code,
                                          content, response.headers.get("retry-after"))
                 continue
-            self.pool.record_success(url)
-            worker.requests += 1
-            branch = decision.branch if attempt == 0 else "failover"
-            self.metrics.requests.labels(url, str(branch), self.policy_name).inc()
-            predicted: int | None = None
-            if attempt == 0:
-                self.metrics.predicted_hit_blocks.inc(decision.predicted_hit_blocks)
-                if self.disagg is None:
-                    predicted = min(route.num_tokens,
-                                    decision.predicted_hit_blocks * route.block_tokens)
-            return Upstream(url, response, decision, self.pool,
-                            predicted_cached_tokens=predicted)
+            return Upstream(url, response, dispatch)
         raise last or NoWorkerAvailable("no healthy worker")

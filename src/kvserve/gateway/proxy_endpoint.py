@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.client_timeout import BadTimeout, client_timeout_s, refusals_spend_retries
-from kvserve.gateway.admission import Admission, Saturated, Slot
+from kvserve.gateway.admission import Admission, Saturated
+from kvserve.gateway.core.lifecycle import Dispatch
 from kvserve.gateway.fleet import note_arrival
 from kvserve.gateway.forward import (
     PREDICTED_CACHED_HEADER,
@@ -40,7 +41,6 @@ from kvserve.gateway.forward import (
     NoWorkerAvailable,
     Upstream,
 )
-from kvserve.gateway.latency_limit import is_late
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import NoHealthyWorker
 from kvserve.gateway.prepare import Prepared, Refused, prepare_request
@@ -81,34 +81,22 @@ class _TooLarge(Exception):
 
 @dataclass(slots=True)
 class _Budget:
-    """One request's time: when it arrived, its client's timeout (None: not said), and when
-    it was admitted, with its admission slot (None until admitted)."""
+    """One request's time before its dispatch exists: when it arrived and its client's
+    timeout (None: not said); then its dispatch (`core.lifecycle.Dispatch`), from admission."""
 
     started: float
     timeout_s: float | None
-    ttft_target_s: float | None  # the gateway's --ttft-target
-    slot: Slot | None = None
-    admitted: float = 0.0
-    answered: bool = False  # its first byte went to the client
     key: bytes = b""  # recognises a resend of the same request (`seniority.request_key`)
-
-    def admit(self, slot: Slot) -> None:
-        self.slot, self.admitted = slot, time.monotonic()
-
-    def is_late(self, now: float) -> bool:
-        """Whether the workers took too long to start answering (`latency_limit.is_late`)."""
-        return is_late(now - self.admitted, self.left_s(self.admitted), self.ttft_target_s)
+    dispatch: Dispatch | None = None
 
     @property
     def deadline(self) -> float | None:
         return None if self.timeout_s is None else self.started + self.timeout_s
 
-    def left_s(self, now: float | None = None) -> float | None:
-        """Seconds from `now` (default: now) to the deadline (negative once passed); None
-        without one."""
+    def left_s(self) -> float | None:
+        """Seconds from now to the deadline (negative once passed); None without one."""
         deadline = self.deadline
-        return None if deadline is None else deadline - (time.monotonic() if now is None
-                                                         else now)
+        return None if deadline is None else deadline - time.monotonic()
 
     def expired_message(self) -> str:
         return (f"the worker did not start answering within the client's timeout of "
@@ -185,7 +173,7 @@ class ProxyEndpoint:
         except BadTimeout as exc:
             await _send_reply(send, _error(400, str(exc)), echo)
             return
-        budget = _Budget(started, timeout_s, self.ttft_target_s)
+        budget = _Budget(started, timeout_s)
         watch = _ClientWatch(receive)
         try:
             await self._serve(scope["path"], raw, headers, budget, send, echo)
@@ -203,17 +191,17 @@ class ProxyEndpoint:
         if isinstance(admitted, _Reply):
             await _send_reply(send, admitted, echo)
             return
-        prepared, slot = admitted
-        with slot:  # the one place an admitted request's slot is released, however it ends
-            try:
-                opened = await self._open(path, prepared, budget)
-                if not isinstance(opened, _Reply):
-                    await self._answer(opened, send, budget, echo)
-                    return
-            except asyncio.CancelledError:
-                if not budget.answered:  # before release: it counts in flight
-                    slot.gave_up(time.monotonic() - budget.admitted)
-                raise
+        prepared, dispatch = admitted
+        try:  # the one place an admitted request's slot is released, however it ends
+            opened = await self._open(path, prepared, budget, dispatch)
+            if not isinstance(opened, _Reply):
+                await self._answer(opened, send, budget, echo)
+                return
+        except asyncio.CancelledError:
+            dispatch.release(time.monotonic(), client_left=True)
+            raise
+        finally:
+            dispatch.release(time.monotonic())
         await _send_reply(send, opened, echo)  # the gateway's own answer, its slot freed
 
     async def _answer(self, upstream: Upstream, send: Send, budget: _Budget,
@@ -252,10 +240,8 @@ class ProxyEndpoint:
 
     def _first_byte(self, budget: _Budget) -> None:
         """The answer started (or the gateway gave up waiting for it): tell admission."""
-        budget.answered = True
-        assert budget.slot is not None
-        now = time.monotonic()
-        budget.slot.first_byte(budget.is_late(now), now - budget.admitted)
+        assert budget.dispatch is not None
+        budget.dispatch.first_byte(time.monotonic())
 
     def _served(self, budget: _Budget) -> None:
         """A worker answered: the same request sent again is a new one."""
@@ -295,8 +281,9 @@ class ProxyEndpoint:
         await send({"type": "http.response.body", "body": b""})
 
     async def _admit(self, path: str, raw: bytes, headers: dict[str, str],
-                     budget: _Budget) -> tuple[Prepared, Slot] | _Reply:
-        """The request prepared and holding an admission slot, or the gateway's own answer."""
+                     budget: _Budget) -> tuple[Prepared, Dispatch] | _Reply:
+        """The request prepared, holding an admission slot, as a dispatch; or the gateway's
+        own answer."""
         try:
             prepared = prepare_request(path, raw, headers, self.tenancy, self.keys.keyer,
                                        self.worker_api_key, self.trusted_salt_key)
@@ -312,17 +299,19 @@ class ProxyEndpoint:
             self.metrics.rejections.labels(exc.reason).inc()
             return _error(429, f"the fleet is saturated ({exc.reason}); retry after "
                           f"{exc.retry_after_s}s", "rate_limit_error", str(exc.retry_after_s))
-        budget.admit(slot)
-        return prepared, slot
+        budget.dispatch = self.forwarder.dispatch(
+            prepared.route, budget.started, time.monotonic(), budget.deadline,
+            self.ttft_target_s, slot)
+        return prepared, budget.dispatch
 
-    async def _open(self, path: str, prepared: Prepared, budget: _Budget) -> Upstream | _Reply:
+    async def _open(self, path: str, prepared: Prepared, budget: _Budget,
+                    dispatch: Dispatch) -> Upstream | _Reply:
         """The worker's open response, or the gateway's own answer (the caller holds the
         admission slot)."""
         try:
             async with asyncio.timeout(budget.left_s()):
                 return await self.forwarder.open(path, prepared.body, prepared.headers,
-                                                 prepared.route, budget.started,
-                                                 budget.deadline)
+                                                 dispatch, budget.deadline)
         except TimeoutError:
             self._first_byte(budget)
             self.metrics.deadline_expired.labels("response").inc()

@@ -18,7 +18,7 @@ from kvserve.gateway.policies.base import (
 )
 from kvserve.gateway.policies.block_index import BlockIndex
 from kvserve.gateway.policies.cache_aware import CacheAwarePolicy
-from kvserve.gateway.policies.disaggregated import DisaggregatedRouter, SplitDecision
+from kvserve.gateway.policies.disaggregated import DisaggregatedRouter
 from kvserve.gateway.policies.factory import (
     POLICIES,
     POLICY_NAMES,
@@ -52,7 +52,6 @@ __all__ = [
     "RouteDecision",
     "RouteRequest",
     "RoutingPolicy",
-    "SplitDecision",
     "WorkerView",
     "healthy_workers",
     "load_bound",

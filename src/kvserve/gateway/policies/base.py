@@ -101,12 +101,14 @@ class Branch(enum.StrEnum):
 class RouteDecision:
     """The chosen worker, why, the fallback order for retries (all healthy workers, the chosen
     one first), and how many prefix blocks the policy expects it to have cached (0 when the
-    policy keeps no index)."""
+    policy keeps no index). `prefill`: in disaggregated routing, the worker that computes the
+    prompt's KV for the chosen (decode) worker, with its own decision."""
 
     worker_id: str
     branch: Branch
     ranked: tuple[str, ...]
     predicted_hit_blocks: int = 0
+    prefill: RouteDecision | None = None
 
     def __post_init__(self) -> None:
         assert self.ranked and self.ranked[0] == self.worker_id, "the chosen worker ranks first"

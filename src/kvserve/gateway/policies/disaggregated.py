@@ -9,17 +9,8 @@ long and steady; their placement is a load-balancing problem).
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 
 from kvserve.gateway.policies.base import RouteDecision, RouteRequest, RoutingPolicy, WorkerView
-
-
-@dataclass(frozen=True, slots=True)
-class SplitDecision:
-    """Where a request's prompt is prefilled and where it is decoded (each with its ranking)."""
-
-    prefill: RouteDecision
-    decode: RouteDecision
 
 
 class DisaggregatedRouter:
@@ -40,18 +31,34 @@ class DisaggregatedRouter:
         self.prefill_ids = frozenset(prefill_ids)
         self.decode_ids = frozenset(decode_ids)
 
-    def route(self, request: RouteRequest, workers: Sequence[WorkerView]) -> SplitDecision:
-        """Both choices; raises NoHealthyWorker when either pool has no healthy worker."""
+    @property
+    def name(self) -> str:
+        return self.prefill_policy.name
+
+    @property
+    def replica_safe(self) -> bool:
+        return self.prefill_policy.replica_safe and self.decode_policy.replica_safe
+
+    def route(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RouteDecision:
+        """The decode worker's decision, carrying the prefill worker's (`prefill`); raises
+        NoHealthyWorker when either pool has no healthy worker."""
         prefill = self.prefill_policy.route(
             request, [w for w in workers if w.worker_id in self.prefill_ids])
         decode = self.decode_policy.route(
             request, [w for w in workers if w.worker_id in self.decode_ids])
-        return SplitDecision(prefill, decode)
+        return RouteDecision(decode.worker_id, decode.branch, decode.ranked,
+                             decode.predicted_hit_blocks, prefill)
 
-    def observe(self, request: RouteRequest, prefill_id: str, decode_id: str) -> None:
-        """The request was sent: its prompt to `prefill_id`, its decode to `decode_id`."""
-        self.prefill_policy.observe(request, prefill_id)
-        self.decode_policy.observe(request, decode_id)
+    def observe(self, request: RouteRequest, worker_id: str) -> None:
+        """The request was sent to `worker_id`: its pool's policy learns it."""
+        if worker_id in self.prefill_ids:
+            self.prefill_policy.observe(request, worker_id)
+        elif worker_id in self.decode_ids:
+            self.decode_policy.observe(request, worker_id)
+
+    def remove_worker(self, worker_id: str) -> None:
+        self.prefill_policy.remove_worker(worker_id)
+        self.decode_policy.remove_worker(worker_id)
 
     def role_of(self, worker_id: str) -> str:
         return "prefill" if worker_id in self.prefill_ids else (
