@@ -85,7 +85,7 @@ def test_without_a_known_capacity_every_tenant_stays_pinned_to_the_survivor() ->
 
 def test_capacity_is_counted_in_the_requests_blocks_and_capped_at_the_memory_bound(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvserve.gateway.policies import cache_aware
+    from kvserve.gateway.policies import indexes as cache_aware
 
     monkeypatch.setattr(cache_aware, "MAX_BLOCKS_PER_WORKER", 10)
     policy = CacheAwarePolicy()

@@ -38,10 +38,15 @@ TIER_ORDER = (MEDIUM_GPU, "CPU", "DISK", "STORAGE")
 
 
 class EventSink(Protocol):
-    """What the feed tells (the precise policy): blocks stored, removed, or all cleared."""
+    """What the feed tells (the precise policy's exact index, `policies.indexes.ExactIndex`):
+    blocks stored, removed, or all cleared; and whether a worker's stream is in sync."""
 
     def apply_events(self, worker_id: str, stored: Iterable[bytes] = (),
                      removed: Iterable[bytes] = (), cleared: bool = False) -> None: ...
+
+    def set_synced(self, worker_id: str, synced: bool) -> None: ...
+
+    def is_synced(self, worker_id: str) -> bool: ...
 
 
 @dataclass(slots=True)

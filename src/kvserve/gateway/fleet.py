@@ -22,7 +22,7 @@ from kvserve.gateway.latency_limit import LatencyLimit
 from kvserve.gateway.metrics import GatewayMetrics
 from kvserve.gateway.policies import (
     CapacityAware,
-    PrecisePolicy,
+    Pipeline,
     RouteRequest,
     RoutingPolicy,
     make_policy,
@@ -66,7 +66,7 @@ class Fleet:
 
     settings: GatewaySettings
     pool: WorkerPool
-    policy: RoutingPolicy
+    policy: Pipeline
     admission: Admission
     budget: RetryBudget
     keys: ExactKeys
@@ -159,7 +159,7 @@ def build_fleet(settings: GatewaySettings,
     policy = make_policy(settings.policy, **dict(settings.policy_options))
     event_sources = dict(settings.worker_kv_events)
     if ((event_sources or settings.kv_events_default is not None)
-            and not isinstance(policy, PrecisePolicy)):
+            and policy.event_index is None):
         raise ValueError("--worker-kv-events feeds --policy precise's index; add --policy "
                          "precise or drop --worker-kv-events")
     unknown = sorted(set(event_sources) - set(settings.workers))
@@ -196,8 +196,8 @@ def build_fleet(settings: GatewaySettings,
                                  else lambda shared: on_shared(shared, policy, foreign)),
                       metrics_key=settings.metrics_key)
     subscriber = None
-    if isinstance(policy, PrecisePolicy):
-        subscriber = ZmqEventFollower(event_sources, policy,
+    if policy.event_index is not None:
+        subscriber = ZmqEventFollower(event_sources, policy.event_index,
                                       lambda url: served_model_id(client, url),
                                       block_size=settings.block_size,
                                       default=settings.kv_events_default)

@@ -26,10 +26,9 @@ from collections.abc import Awaitable, Callable, Iterable
 import zmq
 import zmq.asyncio
 
-from kvserve.gateway.event_index import WorkerIndexFeed
+from kvserve.gateway.event_index import EventSink, WorkerIndexFeed
 from kvserve.gateway.kv_event_metrics import ReplayOutcome, ResyncReason, WorkerEventStats
 from kvserve.gateway.kv_event_source import EventSource
-from kvserve.gateway.policies import PrecisePolicy
 from kvserve.kvevents.config import rank_endpoint, subscriber_address
 from kvserve.kvevents.wire import (
     END_OF_REPLAY_SEQ,
@@ -63,7 +62,7 @@ class ZmqEventFollower:
     resolves the worker's served model name (the first block's key folds it in); it is retried
     until it answers."""
 
-    def __init__(self, sources: dict[str, EventSource], policy: PrecisePolicy,
+    def __init__(self, sources: dict[str, EventSource], policy: EventSink,
                  model_id: Callable[[str], Awaitable[str | None]],
                  replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
                  retry_interval_s: float = 1.0, block_size: int | None = None,

@@ -1,9 +1,12 @@
-"""Pure routing policies: which worker gets a request (no HTTP, asyncio or clock).
+"""Pure routing: which worker gets a request (no HTTP, asyncio or clock).
 
-`make_policy(name, **options)` builds one of `POLICIES`: round_robin, least_load (power of two
-choices), prefix_hash (rendezvous hashing with bounded load), cache_aware (approximate prefix
-index, continuous score) and precise (exact index from KV events). The gateway proxy and the
-fleet simulator both drive them through `RoutingPolicy`.
+One pipeline (`pipeline.py`): filters -> order -> weighted scorers -> picker. `make_policy(name,
+**options)` builds one of `POLICIES`, each a named configuration of it: round_robin, least_load
+(power of two choices), prefix_hash (rendezvous hashing with bounded load), cache_aware
+(approximate prefix index, continuous score) and precise (exact index from KV events);
+`DisaggregatedRouter` puts a prefill and a decode pipeline behind role filters. The gateway
+proxy, the Endpoint Picker and the fleet simulator all drive them through
+`core.lifecycle.Dispatch`.
 """
 
 from kvserve.gateway.policies.base import (
@@ -26,32 +29,57 @@ from kvserve.gateway.policies.factory import (
     parse_policy_options,
     split_policy_spec,
 )
+from kvserve.gateway.policies.filters import Healthy, Role
+from kvserve.gateway.policies.indexes import ApproxIndex, ExactIndex
 from kvserve.gateway.policies.least_load import LeastLoadPolicy
+from kvserve.gateway.policies.pickers import BestScore, BoundedLoad, Rotation, TwoChoices
+from kvserve.gateway.policies.pipeline import Filter, Order, Picker, Pipeline, PrefixIndex, Scorer
 from kvserve.gateway.policies.precise import PrecisePolicy
 from kvserve.gateway.policies.prefix_hash import PrefixHashPolicy, load_bound
 from kvserve.gateway.policies.rendezvous import (
+    RendezvousOrder,
     rendezvous_key,
     rendezvous_order,
     rendezvous_weight,
 )
 from kvserve.gateway.policies.round_robin import RoundRobinPolicy
+from kvserve.gateway.policies.scorers import Backlog, Footprint, Load, PrefixHits
 
 __all__ = [
     "POLICIES",
     "POLICY_NAMES",
+    "ApproxIndex",
+    "Backlog",
+    "BestScore",
     "BlockIndex",
+    "BoundedLoad",
     "Branch",
     "CacheAwarePolicy",
     "CapacityAware",
     "DisaggregatedRouter",
+    "ExactIndex",
+    "Filter",
+    "Footprint",
+    "Healthy",
     "LeastLoadPolicy",
+    "Load",
     "NoHealthyWorker",
+    "Order",
+    "Picker",
+    "Pipeline",
     "PrecisePolicy",
     "PrefixHashPolicy",
+    "PrefixHits",
+    "PrefixIndex",
+    "RendezvousOrder",
+    "Role",
+    "Rotation",
     "RoundRobinPolicy",
     "RouteDecision",
     "RouteRequest",
     "RoutingPolicy",
+    "Scorer",
+    "TwoChoices",
     "WorkerView",
     "healthy_workers",
     "load_bound",

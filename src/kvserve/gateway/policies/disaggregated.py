@@ -11,11 +11,15 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from kvserve.gateway.policies.base import RouteDecision, RouteRequest, RoutingPolicy, WorkerView
+from kvserve.gateway.policies.filters import Role
 
 
 class DisaggregatedRouter:
-    """`prefill_policy` over the workers in `prefill_ids`, `decode_policy` over `decode_ids`.
-    The two pools must not overlap (a worker has one role)."""
+    """The disaggregation stage: `prefill_policy` behind a role filter of `prefill_ids`,
+    `decode_policy` behind one of `decode_ids`; its decision is the decode worker's, carrying
+    the prefill worker's (`RouteDecision.prefill`), so the dispatch lifecycle and the
+    forwarder handle it as any other. The two pools must not overlap (a worker has one
+    role)."""
 
     def __init__(self, prefill_policy: RoutingPolicy, decode_policy: RoutingPolicy,
                  prefill_ids: Collection[str], decode_ids: Collection[str]) -> None:
@@ -28,8 +32,9 @@ class DisaggregatedRouter:
                              f"{sorted(both)}")
         self.prefill_policy = prefill_policy
         self.decode_policy = decode_policy
-        self.prefill_ids = frozenset(prefill_ids)
-        self.decode_ids = frozenset(decode_ids)
+        self._prefill, self._decode = Role(prefill_ids), Role(decode_ids)
+        self.prefill_ids = self._prefill.worker_ids
+        self.decode_ids = self._decode.worker_ids
 
     @property
     def name(self) -> str:
@@ -42,10 +47,8 @@ class DisaggregatedRouter:
     def route(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RouteDecision:
         """The decode worker's decision, carrying the prefill worker's (`prefill`); raises
         NoHealthyWorker when either pool has no healthy worker."""
-        prefill = self.prefill_policy.route(
-            request, [w for w in workers if w.worker_id in self.prefill_ids])
-        decode = self.decode_policy.route(
-            request, [w for w in workers if w.worker_id in self.decode_ids])
+        prefill = self.prefill_policy.route(request, self._prefill.filter(request, workers))
+        decode = self.decode_policy.route(request, self._decode.filter(request, workers))
         return RouteDecision(decode.worker_id, decode.branch, decode.ranked,
                              decode.predicted_hit_blocks, prefill)
 

@@ -1,4 +1,5 @@
-"""`make_policy`: a routing policy by name, with its options checked at the boundary."""
+"""`make_policy`: a routing policy (a named `Pipeline` configuration) by name, with its options
+checked at the boundary."""
 
 from __future__ import annotations
 
@@ -7,14 +8,14 @@ from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-from kvserve.gateway.policies.base import RoutingPolicy
 from kvserve.gateway.policies.cache_aware import CacheAwarePolicy
 from kvserve.gateway.policies.least_load import LeastLoadPolicy
+from kvserve.gateway.policies.pipeline import Pipeline
 from kvserve.gateway.policies.precise import PrecisePolicy
 from kvserve.gateway.policies.prefix_hash import PrefixHashPolicy
 from kvserve.gateway.policies.round_robin import RoundRobinPolicy
 
-POLICIES: Mapping[str, Callable[..., RoutingPolicy]] = MappingProxyType(
+POLICIES: Mapping[str, Callable[..., Pipeline]] = MappingProxyType(
     {
         RoundRobinPolicy.name: RoundRobinPolicy,
         LeastLoadPolicy.name: LeastLoadPolicy,
@@ -29,7 +30,7 @@ POLICY_NAMES: tuple[str, ...] = tuple(POLICIES)
 """The valid `make_policy` names (for a CLI's choices)."""
 
 
-def make_policy(name: str, **options: Any) -> RoutingPolicy:
+def make_policy(name: str, **options: Any) -> Pipeline:
     """A new policy instance. Raises ValueError naming the valid choices when the name or an
     option is unknown, or when an option's value is out of range."""
     factory = POLICIES.get(name)

@@ -2,37 +2,35 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from kvserve.gateway.policies.base import (
-    Branch,
-    RouteDecision,
-    RouteRequest,
-    WorkerView,
-    healthy_workers,
+from kvserve.gateway.policies.base import Branch
+from kvserve.gateway.policies.filters import Healthy
+from kvserve.gateway.policies.indexes import (
+    DEFAULT_MAX_PENDING_BLOCKS_PER_WORKER,
+    EXACT_MAX_BLOCKS_PER_WORKER,
+    ExactIndex,
 )
-from kvserve.gateway.policies.block_index import BlockIndex
-from kvserve.gateway.policies.prefix_hash import PrefixHashPolicy
-from kvserve.gateway.policies.rendezvous import DEFAULT_PREFIX_BLOCKS
-from kvserve.gateway.policies.scoring import (
+from kvserve.gateway.policies.pickers import BestScore, BoundedLoad
+from kvserve.gateway.policies.pipeline import Pipeline
+from kvserve.gateway.policies.prefix_hash import DEFAULT_LOAD_FACTOR
+from kvserve.gateway.policies.rendezvous import DEFAULT_PREFIX_BLOCKS, RendezvousOrder
+from kvserve.gateway.policies.scorers import (
     DEFAULT_BACKLOG_WEIGHT,
     DEFAULT_BLOCK_CREDIT,
     DEFAULT_LOAD_WEIGHT,
+    Backlog,
+    Load,
+    PrefixHits,
     check_weights,
-    score_route,
 )
 
-DEFAULT_MAX_BLOCKS_PER_WORKER = 1 << 20
-"""A safety cap far above any worker's block count: while a worker's cache fits, the index is
-exact; past it (lost `removed` events), the oldest entries go first."""
 
-DEFAULT_MAX_PENDING_BLOCKS_PER_WORKER = 4096
-
-
-class PrecisePolicy:
+class PrecisePolicy(Pipeline):
     """Knows exactly which block hashes each worker caches, from the worker's KV events
-    (`apply_events`: BlockStored / BlockRemoved / AllBlocksCleared), and routes by
-    `scoring.score_route` like `cache_aware`.
+    (`apply_events`: BlockStored / BlockRemoved / AllBlocksCleared; `indexes.ExactIndex`), and
+    routes through the pipeline `cache_aware` uses: healthy -> rendezvous order -> prefix hits,
+    load and backlog, weighted -> the best score.
 
     Requires the gateway to hash prompts exactly as the worker does: token ids from the worker's
     tokenizer and chat template, the worker's block size, model id and the tenant's cache salt
@@ -61,109 +59,45 @@ class PrecisePolicy:
         block_credit: float = DEFAULT_BLOCK_CREDIT,
         load_weight: float = DEFAULT_LOAD_WEIGHT,
         prefix_blocks: int = DEFAULT_PREFIX_BLOCKS,
-        max_blocks_per_worker: int = DEFAULT_MAX_BLOCKS_PER_WORKER,
+        max_blocks_per_worker: int = EXACT_MAX_BLOCKS_PER_WORKER,
         max_pending_blocks_per_worker: int = DEFAULT_MAX_PENDING_BLOCKS_PER_WORKER,
         backlog_weight: float = DEFAULT_BACKLOG_WEIGHT,
     ) -> None:
         check_weights(block_credit, load_weight, backlog_weight=backlog_weight)
-        self.backlog_weight = backlog_weight
         if prefix_blocks < 1 or max_blocks_per_worker < 1 or max_pending_blocks_per_worker < 0:
             raise ValueError(
                 "prefix_blocks and max_blocks_per_worker must be >= 1 and "
                 f"max_pending_blocks_per_worker >= 0, got {prefix_blocks}, "
                 f"{max_blocks_per_worker}, {max_pending_blocks_per_worker}"
             )
+        self.backlog_weight = backlog_weight
         self.block_credit = block_credit
         self.load_weight = load_weight
         self.prefix_blocks = prefix_blocks
         self.max_blocks_per_worker = max_blocks_per_worker
         self.max_pending_blocks_per_worker = max_pending_blocks_per_worker
-        self._rendezvous = PrefixHashPolicy(prefix_blocks=prefix_blocks)
-        self._cached: dict[str, BlockIndex] = {}
-        self._pending: dict[str, BlockIndex] = {}
-        self._unsynced: set[str] = set()
+        index = self.exact = ExactIndex(max_blocks_per_worker, max_pending_blocks_per_worker)
+        super().__init__(
+            filters=[Healthy()],
+            order=RendezvousOrder(prefix_blocks),
+            index=index,
+            scorers=[PrefixHits(block_credit), Load(load_weight),
+                     Backlog(backlog_weight, block_credit)],
+            picker=BestScore(Branch.PRECISE_HIT, cold=BoundedLoad(DEFAULT_LOAD_FACTOR)),
+        )
 
     def set_synced(self, worker_id: str, synced: bool) -> None:
         """Whether the worker's index follows its events from a known state (class doc)."""
-        if synced:
-            self._unsynced.discard(worker_id)
-        else:
-            self._unsynced.add(worker_id)
+        self.exact.set_synced(worker_id, synced)
 
     def is_synced(self, worker_id: str) -> bool:
-        return worker_id not in self._unsynced
+        return self.exact.is_synced(worker_id)
 
-    def apply_events(
-        self,
-        worker_id: str,
-        stored: Iterable[bytes] = (),
-        removed: Iterable[bytes] = (),
-        cleared: bool = False,
-    ) -> None:
-        """Apply a worker's KV events, in this order: `cleared` (forget everything), `removed`,
-        then `stored`. A caller whose batch mixes kinds out of that order applies it in runs."""
-        cached = self._index(self._cached, worker_id, self.max_blocks_per_worker)
-        pending = self._pending.get(worker_id)
-        if cleared:
-            cached.clear()
-            if pending is not None:
-                pending.clear()
-        removed_hashes, stored_hashes = list(removed), list(stored)
-        cached.remove(removed_hashes)
-        if pending is not None:
-            pending.remove(removed_hashes)
-            pending.remove(stored_hashes)  # confirmed: the exact index holds them now
-        # An event's hashes extend a chain root first; touching them as a chain keeps the LRU
-        # cap (rarely reached) evicting tails first.
-        cached.touch_chain(stored_hashes)
-
-    def route(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RouteDecision:
-        """The healthy worker with the best score; changes no index."""
-        return score_route(
-            request,
-            healthy_workers(workers),
-            lambda worker_id: self._num_matched(worker_id, request.prefix_hashes),
-            block_credit=self.block_credit,
-            load_weight=self.load_weight,
-            prefix_blocks=self.prefix_blocks,
-            hit_branch=Branch.PRECISE_HIT,
-            backlog_weight=self.backlog_weight,
-            place_cold=self._rendezvous.route,
-        )
-
-    def observe(self, request: RouteRequest, worker_id: str) -> None:
-        """The worker is about to compute this prefix: count it as pending until events say."""
-        if self.max_pending_blocks_per_worker == 0:
-            return
-        pending = self._index(self._pending, worker_id, self.max_pending_blocks_per_worker)
-        pending.touch_chain(request.prefix_hashes)
-
-    def remove_worker(self, worker_id: str) -> None:
-        """Drop the worker's indexes (whether it is synced is its event follower's to say)."""
-        self._cached.pop(worker_id, None)
-        self._pending.pop(worker_id, None)
+    def apply_events(self, worker_id: str, stored: Iterable[bytes] = (),
+                     removed: Iterable[bytes] = (), cleared: bool = False) -> None:
+        """`indexes.ExactIndex.apply_events`."""
+        self.exact.apply_events(worker_id, stored, removed, cleared)
 
     def num_cached_blocks(self, worker_id: str) -> int:
         """Blocks the worker's events say it caches."""
-        index = self._cached.get(worker_id)
-        return len(index) if index is not None else 0
-
-    def _num_matched(self, worker_id: str, prefix_hashes: Sequence[bytes]) -> int:
-        # A chain's head may be cached while its tail is still pending: count through both.
-        cached, pending = self._cached.get(worker_id), self._pending.get(worker_id)
-        if worker_id in self._unsynced:
-            cached = None
-        for idx, block_hash in enumerate(prefix_hashes):
-            if not (
-                (cached is not None and block_hash in cached)
-                or (pending is not None and block_hash in pending)
-            ):
-                return idx
-        return len(prefix_hashes)
-
-    @staticmethod
-    def _index(indexes: dict[str, BlockIndex], worker_id: str, capacity: int) -> BlockIndex:
-        index = indexes.get(worker_id)
-        if index is None:
-            index = indexes[worker_id] = BlockIndex(capacity)
-        return index
+        return self.exact.num_cached_blocks(worker_id)

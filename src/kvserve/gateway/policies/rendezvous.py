@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 
-from kvserve.gateway.policies.base import WorkerView
+from kvserve.gateway.policies.base import RouteRequest, WorkerView
 
 DEFAULT_PREFIX_BLOCKS = 4
 """Leading prefix blocks in a rendezvous key: enough to tell a tenant's agents apart, few enough
@@ -44,3 +44,16 @@ def rendezvous_weight(key: bytes, worker_id: str) -> int:
 def rendezvous_order(key: bytes, workers: Iterable[WorkerView]) -> list[WorkerView]:
     """Workers by descending weight for `key` (ties, vanishingly rare, by worker id)."""
     return sorted(workers, key=lambda w: (-rendezvous_weight(key, w.worker_id), w.worker_id))
+
+
+class RendezvousOrder:
+    """Pipeline order: the candidates by descending weight for the request's key (tenant and
+    first `prefix_blocks` block hashes), so equal scores fall where `prefix_hash` would put
+    the prefix, alike on every replica."""
+
+    def __init__(self, prefix_blocks: int = DEFAULT_PREFIX_BLOCKS) -> None:
+        self.prefix_blocks = prefix_blocks
+
+    def order(self, request: RouteRequest, workers: Sequence[WorkerView]) -> list[WorkerView]:
+        key = rendezvous_key(request.tenant, request.prefix_hashes, self.prefix_blocks)
+        return rendezvous_order(key, workers)

@@ -2,37 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
-from kvserve.gateway.policies.base import (
-    Branch,
-    RouteDecision,
-    RouteRequest,
-    WorkerView,
-    healthy_workers,
-)
+from kvserve.gateway.policies.filters import Healthy
+from kvserve.gateway.policies.pickers import Rotation
+from kvserve.gateway.policies.pipeline import Pipeline
 
 
-class RoundRobinPolicy:
-    """Each call takes the next healthy worker in id order. Two instances fed the same calls
-    agree; replicas behind a balancer do not (each keeps its own counter)."""
+class RoundRobinPolicy(Pipeline):
+    """Healthy -> rotation in id order. Two instances fed the same calls agree; replicas
+    behind a balancer do not (each keeps its own counter)."""
 
     name = "round_robin"
     replica_safe = True  # no index: nothing replicas could learn apart
 
     def __init__(self) -> None:
-        self._num_routed = 0
-
-    def route(self, request: RouteRequest, workers: Sequence[WorkerView]) -> RouteDecision:
-        """The next healthy worker; the rest follow in rotation as fallbacks."""
-        healthy = healthy_workers(workers)
-        start = self._num_routed % len(healthy)
-        self._num_routed += 1
-        ranked = tuple(w.worker_id for w in healthy[start:] + healthy[:start])
-        return RouteDecision(ranked[0], Branch.ROUND_ROBIN, ranked)
-
-    def observe(self, request: RouteRequest, worker_id: str) -> None:
-        """Nothing to learn."""
-
-    def remove_worker(self, worker_id: str) -> None:
-        """Nothing to forget."""
+        super().__init__(filters=[Healthy()], picker=Rotation())

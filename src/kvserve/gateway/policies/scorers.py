@@ -1,4 +1,5 @@
-"""The continuous cache-versus-load score shared by `cache_aware` and `precise`.
+"""The pipeline's weighted scorers, and the continuous cache-versus-load score they make up for
+`cache_aware` and `precise` (`pickers.BestScore` chooses by it).
 
 score(worker) = matched_blocks * block_credit - load_weight * load - backlog_weight * backlog
 score(worker) = -load_weight * load - backlog_weight * backlog
@@ -13,7 +14,7 @@ One formula for every worker and every load, no threshold: as a worker's load gr
 prefix is outweighed smoothly, at a point that scales with how much of the prompt it holds. The
 footprint (what the policy believes a worker caches, relative to the fullest worker) decides where
 a prefix nobody holds goes: where there is most room, so whole tenants spread by cache footprint,
-not by the load of the moment; unless the caller places such a prefix itself (`place_cold`:
+not by the load of the moment; unless the picker places such a prefix itself (`BestScore.cold`:
 `cache_aware` by default, in rendezvous order, which its replicas share and its index does not).
 
 The continuity is what sgl-router's cache_aware lacks: it flips between "follow the cache" and
@@ -23,10 +24,10 @@ affinity (above).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Mapping, Sequence
 
-from kvserve.gateway.policies.base import Branch, RouteDecision, RouteRequest, WorkerView
-from kvserve.gateway.policies.rendezvous import rendezvous_key, rendezvous_order
+from kvserve.gateway.policies.base import RouteRequest, WorkerView
+from kvserve.gateway.policies.indexes import ApproxIndex
 
 DEFAULT_BLOCK_CREDIT = 1.0
 DEFAULT_LOAD_WEIGHT = 1.0
@@ -62,54 +63,54 @@ def check_weights(block_credit: float, load_weight: float, footprint_weight: flo
             raise ValueError(f"{name} must be >= 0 and finite, got {value}")
 
 
-def score_route(
-    request: RouteRequest,
-    healthy: Sequence[WorkerView],
-    num_matched: Callable[[str], int],
-    *,
-    block_credit: float,
-    load_weight: float,
-    prefix_blocks: int,
-    hit_branch: Branch,
-    footprint: Callable[[str], int] | None = None,
-    footprint_weight: float = 0.0,
-    backlog_weight: float = 0.0,
-    place_cold: Callable[[RouteRequest, Sequence[WorkerView]], RouteDecision] | None = None,
-) -> RouteDecision:
-    """Rank healthy workers by score (ties in the prefix's rendezvous order, so a prefix nobody
-    caches lands where `prefix_hash` would put it) and choose the best. Branch: `hit_branch`
-    when the chosen worker holds the longest cached prefix, SPILL when another holds more,
-    LEAST_LOAD when none holds any. `num_matched(worker_id)` and `footprint(worker_id)` (blocks
-    the policy believes the worker caches) must not change any index. `place_cold`: when given,
-    it chooses for a prefix nobody holds (branch LEAST_LOAD, no predicted hit) instead of the
-    footprint and load terms."""
-    # Invariant: the choice maximises the one continuous score; no branch is a separate rule
-    # (but for a prefix nobody holds, when the caller places it: `place_cold`).
-    key = rendezvous_key(request.tenant, request.prefix_hashes, prefix_blocks)
-    order = rendezvous_order(key, healthy)
-    matched = {w.worker_id: num_matched(w.worker_id) for w in order}
-    best = max(matched.values())
-    if best == 0 and place_cold is not None:
-        cold = place_cold(request, order)
-        return RouteDecision(cold.worker_id, Branch.LEAST_LOAD, cold.ranked, 0)
-    sizes = {w.worker_id: footprint(w.worker_id) if footprint and best == 0 else 0
-             for w in order}
-    fullest = max(sizes.values(), default=0) or 1
+class PrefixHits:
+    """Cached-prefix credit: `block_credit` per leading block the worker holds."""
 
-    backlog_per_token = backlog_weight * block_credit / request.block_tokens  # a cached token's
+    def __init__(self, block_credit: float) -> None:
+        self.block_credit = block_credit
 
-    def score(worker: WorkerView) -> float:
-        wid = worker.worker_id
-        return (matched[wid] * block_credit - load_weight * worker.load
-                - backlog_per_token * worker.prefill_backlog_tokens
-                - footprint_weight * sizes[wid] / fullest)
+    def score(self, request: RouteRequest, workers: Sequence[WorkerView],
+              hits: Mapping[str, int]) -> list[float]:
+        return [hits[w.worker_id] * self.block_credit for w in workers]
 
-    ranked = sorted(order, key=score, reverse=True)  # stable: ties keep the rendezvous order
-    chosen = ranked[0].worker_id
-    if best == 0:
-        branch = Branch.LEAST_LOAD
-    elif matched[chosen] == best:
-        branch = hit_branch
-    else:
-        branch = Branch.SPILL
-    return RouteDecision(chosen, branch, tuple(w.worker_id for w in ranked), matched[chosen])
+
+class Load:
+    """Outstanding requests (`WorkerView.load`), `load_weight` each."""
+
+    def __init__(self, load_weight: float) -> None:
+        self.load_weight = load_weight
+
+    def score(self, request: RouteRequest, workers: Sequence[WorkerView],
+              hits: Mapping[str, int]) -> list[float]:
+        return [-(self.load_weight * w.load) for w in workers]
+
+
+class Backlog:
+    """Prefill tokens queued ahead (`WorkerView.prefill_backlog_tokens`), each worth
+    `backlog_weight` of a cached token (a block's `block_credit` over its tokens)."""
+
+    def __init__(self, backlog_weight: float, block_credit: float) -> None:
+        self.backlog_weight = backlog_weight
+        self.block_credit = block_credit
+
+    def score(self, request: RouteRequest, workers: Sequence[WorkerView],
+              hits: Mapping[str, int]) -> list[float]:
+        per_token = self.backlog_weight * self.block_credit / request.block_tokens
+        return [-(per_token * w.prefill_backlog_tokens) for w in workers]
+
+
+class Footprint:
+    """For a prefix no worker holds: the blocks the index believes a worker caches, against
+    the fullest worker, `footprint_weight` for the fullest (a new prefix fills the emptier
+    cache). Zero once some worker holds the prefix."""
+
+    def __init__(self, footprint_weight: float, index: ApproxIndex) -> None:
+        self.footprint_weight = footprint_weight
+        self.index = index
+
+    def score(self, request: RouteRequest, workers: Sequence[WorkerView],
+              hits: Mapping[str, int]) -> list[float]:
+        cold = max(hits.values(), default=0) == 0
+        sizes = [self.index.index_size(w.worker_id) if cold else 0 for w in workers]
+        fullest = max(sizes, default=0) or 1
+        return [-(self.footprint_weight * size / fullest) for size in sizes]
