@@ -90,13 +90,18 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                         "--policy precise (default: the first worker's /v1/models root, when "
                         "it is a local directory)")
     p.add_argument("--block-size", type=int, default=16, help="the workers' KV block size")
+    p.add_argument("--metrics-key", default=os.environ.get("KVSERVE_METRICS_KEY"),
+                   help="required on this gateway's /metrics and sent to the workers' (start "
+                        "them with the same --metrics-key; env KVSERVE_METRICS_KEY)")
+
+
+def add_admin_key_argument(p: argparse.ArgumentParser) -> None:
+    """`--admin-key`, for the commands that route disaggregated (`gateway`, `up`); the
+    Endpoint Picker does not, so it has none."""
     p.add_argument("--admin-key", default=os.environ.get("KVSERVE_ADMIN_KEY"),
                    help="disaggregated mode: the workers' admin key, sent to decode workers "
                         "so they pull a prompt's KV from a prefill worker (env "
                         "KVSERVE_ADMIN_KEY)")
-    p.add_argument("--metrics-key", default=os.environ.get("KVSERVE_METRICS_KEY"),
-                   help="required on this gateway's /metrics and sent to the workers' (start "
-                        "them with the same --metrics-key; env KVSERVE_METRICS_KEY)")
 
 
 def add_discovery_arguments(p: argparse.ArgumentParser) -> None:
@@ -150,8 +155,10 @@ def tenancy_from(args: argparse.Namespace) -> Tenancy:
                                 args.trust_tenant_header, args.tenant_header)
 
 
-def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] | None = None,
-              decode: list[str] | None = None) -> GatewaySettings:
+def settings_from_args(args: argparse.Namespace, workers: list[str],
+                       prefill: list[str] | None = None,
+                       decode: list[str] | None = None) -> GatewaySettings:
+    """The settings the shared flags give; raises ValueError naming a flag out of range."""
     if args.ttft_target is not None and not args.ttft_target > 0:
         raise ValueError(f"--ttft-target must be a positive number of seconds, got "
                          f"{args.ttft_target}")
@@ -177,7 +184,8 @@ def _settings(args: argparse.Namespace, workers: list[str], prefill: list[str] |
         seniority=args.seniority,
         tenancy=tenancy_from(args), worker_api_key=args.worker_api_key,
         trusted_salt_key=args.trusted_salt_key, metrics_key=args.metrics_key,
-        tokenizer=args.tokenizer, block_size=args.block_size, admin_key=args.admin_key,
+        tokenizer=args.tokenizer, block_size=args.block_size,
+        admin_key=getattr(args, "admin_key", None),
         worker_kv_events=tuple((url, source) for url, source in sources if url is not None),
         kv_events_default=defaults[0] if defaults else None,
         worker_dns=tuple(getattr(args, "worker_dns", [])),
@@ -197,6 +205,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     g.add_argument("--decode-worker", action="append", default=[], metavar="URL",
                    help="disaggregated mode: a `kvserve serve --role decode` worker "
                         "(repeatable; chosen by least load)")
+    add_admin_key_argument(g)
     add_gateway_arguments(g)
     g.set_defaults(func=run_gateway)
 
@@ -209,7 +218,7 @@ def run_gateway(args: argparse.Namespace) -> int:
                                    "and --decode-worker URLs for disaggregated mode[/]")
         return 2
     try:
-        app = create_gateway(_settings(args, args.worker, args.prefill_worker,
+        app = create_gateway(settings_from_args(args, args.worker, args.prefill_worker,
                                        args.decode_worker))
     except ValueError as exc:
         Console(stderr=True).print(f"[red]cannot start: {exc}[/]", soft_wrap=True)

@@ -1,5 +1,5 @@
 """What a gateway front end is configured with (`kvserve gateway`, `kvserve up`, `kvserve epp`):
-built from the shared flags by `command._settings`."""
+built from the shared flags by `command.settings_from_args`."""
 
 from __future__ import annotations
 

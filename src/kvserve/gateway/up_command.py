@@ -18,7 +18,11 @@ import uvicorn
 from rich.console import Console
 
 from kvserve.gateway.app import create_gateway
-from kvserve.gateway.command import _settings, add_gateway_arguments
+from kvserve.gateway.command import (
+    add_admin_key_argument,
+    add_gateway_arguments,
+    settings_from_args,
+)
 from kvserve.gateway.policies import make_policy, parse_policy_options
 
 
@@ -36,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     u.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for each `kvserve serve` (repeatable)")
     add_gateway_arguments(u)
+    add_admin_key_argument(u)
     u.set_defaults(func=run_up)
 
 
@@ -95,8 +100,8 @@ def run_up(args: argparse.Namespace) -> int:
     try:
         with console.status(f"starting {len(roles)} workers …"):
             _wait_healthy(urls, procs, timeout_s=300)
-        app = create_gateway(_settings(args, by_role["both"], by_role["prefill"],
-                                       by_role["decode"]))
+        app = create_gateway(settings_from_args(args, by_role["both"], by_role["prefill"],
+                                                by_role["decode"]))
         gateway_url = f"http://{args.host}:{args.port}"
         console.print(f"[green]kvserve up[/]: gateway ({args.policy}) at [bold]{gateway_url}"
                       f"[/] → {', '.join(urls)}", soft_wrap=True)

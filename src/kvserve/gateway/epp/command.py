@@ -8,7 +8,11 @@ import asyncio
 
 from rich.console import Console
 
-from kvserve.gateway.command import _settings, add_discovery_arguments, add_gateway_arguments
+from kvserve.gateway.command import (
+    add_discovery_arguments,
+    add_gateway_arguments,
+    settings_from_args,
+)
 from kvserve.gateway.discovery import DnsName
 from kvserve.gateway.epp.endpoints import Endpoints
 from kvserve.gateway.epp.envoy_config import BODY_MODES, EnvoyConfig
@@ -73,7 +77,7 @@ def run_epp(args: argparse.Namespace) -> int:
         return 2
     try:
         endpoints = Endpoints.from_urls(args.worker)
-        settings = _settings(args, list(endpoints.by_url))
+        settings = settings_from_args(args, list(endpoints.by_url))
         fleet = build_fleet(settings)
     except ValueError as exc:
         console.print(f"[red]cannot start: {exc}[/]", soft_wrap=True)

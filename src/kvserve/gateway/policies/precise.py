@@ -58,28 +58,22 @@ class PrecisePolicy(Pipeline):
         *,
         block_credit: float = DEFAULT_BLOCK_CREDIT,
         load_weight: float = DEFAULT_LOAD_WEIGHT,
-        prefix_blocks: int = DEFAULT_PREFIX_BLOCKS,
-        max_blocks_per_worker: int = EXACT_MAX_BLOCKS_PER_WORKER,
         max_pending_blocks_per_worker: int = DEFAULT_MAX_PENDING_BLOCKS_PER_WORKER,
         backlog_weight: float = DEFAULT_BACKLOG_WEIGHT,
     ) -> None:
         check_weights(block_credit, load_weight, backlog_weight=backlog_weight)
-        if prefix_blocks < 1 or max_blocks_per_worker < 1 or max_pending_blocks_per_worker < 0:
-            raise ValueError(
-                "prefix_blocks and max_blocks_per_worker must be >= 1 and "
-                f"max_pending_blocks_per_worker >= 0, got {prefix_blocks}, "
-                f"{max_blocks_per_worker}, {max_pending_blocks_per_worker}"
-            )
+        if max_pending_blocks_per_worker < 0:
+            raise ValueError("max_pending_blocks_per_worker must be >= 0 (0: no pending "
+                             f"blocks), got {max_pending_blocks_per_worker}")
         self.backlog_weight = backlog_weight
         self.block_credit = block_credit
         self.load_weight = load_weight
-        self.prefix_blocks = prefix_blocks
-        self.max_blocks_per_worker = max_blocks_per_worker
         self.max_pending_blocks_per_worker = max_pending_blocks_per_worker
-        index = self.exact = ExactIndex(max_blocks_per_worker, max_pending_blocks_per_worker)
+        index = self.exact = ExactIndex(EXACT_MAX_BLOCKS_PER_WORKER,
+                                        max_pending_blocks_per_worker)
         super().__init__(
             filters=[Healthy()],
-            order=RendezvousOrder(prefix_blocks),
+            order=RendezvousOrder(DEFAULT_PREFIX_BLOCKS),
             index=index,
             scorers=[PrefixHits(block_credit), Load(load_weight),
                      Backlog(backlog_weight, block_credit)],
