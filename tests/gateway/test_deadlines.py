@@ -14,14 +14,14 @@ from kvserve.client_timeout import (
     format_timeout,
     refusals_spend_retries,
 )
-from kvserve.gateway.admission import Admission, Saturated
-from kvserve.gateway.latency_limit import LatencyLimit
-from kvserve.gateway.queue_wait import (
+from kvserve.gateway.core.latency_limit import LatencyLimit
+from kvserve.gateway.core.queue_wait import (
     ANSWER_SAMPLES,
     MIN_ANSWER_SAMPLES,
     AnswerTimes,
     max_queue_wait,
 )
+from kvserve.gateway.fleet.admission import Admission, Saturated
 
 
 def test_the_tightest_timeout_header_wins_in_seconds() -> None:
@@ -196,7 +196,7 @@ def test_answers_in_time_let_a_queued_request_in_through_the_slot() -> None:
 
 def test_lateness_is_the_workers_time_not_the_wait_for_admission() -> None:
     from kvserve.gateway.core.lifecycle import Dispatch, Ledger
-    from kvserve.gateway.policies import RoundRobinPolicy, RouteRequest
+    from kvserve.gateway.core.pipeline import RoundRobinPolicy, RouteRequest
 
     def dispatch(timeout_s: float | None, ttft_target_s: float | None) -> Dispatch:
         return Dispatch(RoundRobinPolicy(), Ledger(), RouteRequest(()), started=0.0,
@@ -229,8 +229,8 @@ def test_the_latency_limit_neither_bounds_nor_learns_where_it_does_not_apply() -
 
 
 def test_the_latency_limit_applies_while_some_worker_does_not_declare_its_batch() -> None:
-    from kvserve.gateway.scraper import apply_metrics
-    from kvserve.gateway.worker_pool import WorkerPool
+    from kvserve.gateway.fleet.scraper import apply_metrics
+    from kvserve.gateway.fleet.worker_pool import WorkerPool
 
     declared = 'kvserve:max_num_seqs{model_name="m"} 16\n'
     pool = WorkerPool(["http://kvserve", "http://vllm"])

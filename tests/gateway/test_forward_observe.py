@@ -10,18 +10,18 @@ import contextlib
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 
-from kvserve.gateway.admission import Admission
-from kvserve.gateway.forward import Forwarder
-from kvserve.gateway.metrics import GatewayMetrics
-from kvserve.gateway.policies import (
+from kvserve.gateway.core.pipeline import (
     Branch,
     CacheAwarePolicy,
     DisaggregatedRouter,
     LeastLoadPolicy,
 )
-from kvserve.gateway.retry_budget import RetryBudget
-from kvserve.gateway.upstream_http import UpstreamClient
-from kvserve.gateway.worker_pool import WorkerPool
+from kvserve.gateway.core.retry_budget import RetryBudget
+from kvserve.gateway.fleet.admission import Admission
+from kvserve.gateway.fleet.metrics import GatewayMetrics
+from kvserve.gateway.fleet.upstream_http import UpstreamClient
+from kvserve.gateway.fleet.worker_pool import WorkerPool
+from kvserve.gateway.proxy.forward import Forwarder
 from tests.gateway.helpers import request
 
 Scenario = Callable[[WorkerPool, GatewayMetrics, RetryBudget, UpstreamClient], Awaitable[None]]

@@ -12,19 +12,19 @@ from collections.abc import Sequence
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from kvserve.gateway.epp.endpoints import Endpoints
-from kvserve.gateway.epp.exchange import Exchange, Picker
-from kvserve.gateway.fleet import Fleet, build_fleet
-from kvserve.gateway.forward import Forwarder, Upstream
-from kvserve.gateway.policies import (
+from kvserve.gateway.core.pipeline import (
     CacheAwarePolicy,
     RouteDecision,
     RouteRequest,
     WorkerView,
 )
-from kvserve.gateway.prepare import prepare_request
-from kvserve.gateway.settings import GatewaySettings
-from kvserve.gateway.tenancy import Tenancy
+from kvserve.gateway.core.prepare import prepare_request
+from kvserve.gateway.core.tenancy import Tenancy
+from kvserve.gateway.epp.endpoints import Endpoints
+from kvserve.gateway.epp.exchange import Exchange, Picker
+from kvserve.gateway.fleet.build import Fleet, build_fleet
+from kvserve.gateway.fleet.settings import GatewaySettings
+from kvserve.gateway.proxy.forward import Forwarder, Upstream
 from kvserve.sim.gateway import SimGateway
 from tests.gateway.epp.test_exchange import body_messages, headers_message, response_headers
 from tests.gateway.loopback import loopback_workers

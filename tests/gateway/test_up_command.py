@@ -72,7 +72,7 @@ def test_up_and_a_gateway_place_new_prefixes_by_one_rule() -> None:
     """`kvserve up` routes exactly as `kvserve gateway` given the same flags: no option of its
     own (a new prefix goes where every replica would put it, unless the operator says)."""
     from kvserve.cli import build_parser
-    from kvserve.gateway.command import settings_from_args
+    from kvserve.gateway.cli.gateway import settings_from_args
 
     parser = build_parser()
     secret = ["--salt-secret", "s" * 32]

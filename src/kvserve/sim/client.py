@@ -12,9 +12,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvserve.gateway.admission_core import Ticket
+from kvserve.gateway.core.admission_core import Ticket
 from kvserve.gateway.core.lifecycle import Dispatch
-from kvserve.gateway.policies import RouteRequest
+from kvserve.gateway.core.pipeline import RouteRequest
 from kvserve.sim.seq import SimSeq
 from kvserve.workload import TraceRequest
 

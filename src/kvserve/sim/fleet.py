@@ -13,9 +13,9 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.gateway.admission_core import AdmissionCore, Ticket, TicketState
-from kvserve.gateway.latency_limit import LatencyLimit
-from kvserve.gateway.policies import CapacityAware, RoutingPolicy, make_policy
+from kvserve.gateway.core.admission_core import AdmissionCore, Ticket, TicketState
+from kvserve.gateway.core.latency_limit import LatencyLimit
+from kvserve.gateway.core.pipeline import CapacityAware, RoutingPolicy, make_policy
 from kvserve.sim.client import Attempt, ClientConfig, ClientRequest, Outcome
 from kvserve.sim.costmodel import CostProfile
 from kvserve.sim.events import EventQueue, Priority

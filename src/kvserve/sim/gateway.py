@@ -18,10 +18,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvserve.gateway.admission_core import AdmissionCore, AdmissionLimits, Ticket
+from kvserve.gateway.core.admission_core import AdmissionCore, AdmissionLimits, Ticket
 from kvserve.gateway.core.lifecycle import Dispatch, Ledger
-from kvserve.gateway.policies import RouteRequest, RoutingPolicy, WorkerView
-from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
+from kvserve.gateway.core.pipeline import RouteRequest, RoutingPolicy, WorkerView
+from kvserve.gateway.core.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from kvserve.gateway.latency_limit import is_late
-from kvserve.gateway.policies.base import RouteDecision, RouteRequest, WorkerView
+from kvserve.gateway.core.latency_limit import is_late
+from kvserve.gateway.core.pipeline.base import RouteDecision, RouteRequest, WorkerView
 
 FAILOVER = "failover"
 """The metrics branch of a request answered by a worker other than the one picked."""

@@ -17,19 +17,22 @@ from dataclasses import dataclass, field
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvserve.client_timeout import BadTimeout, client_timeout_s, refusals_spend_retries
-from kvserve.gateway.admission import Saturated
 from kvserve.gateway.core.lifecycle import Dispatch
+from kvserve.gateway.core.pipeline import NoHealthyWorker
+from kvserve.gateway.core.prepare import Refused, prepare_request
+from kvserve.gateway.core.seniority import Seniority
+from kvserve.gateway.core.tenancy import Tenancy
 from kvserve.gateway.epp import protocol
 from kvserve.gateway.epp.endpoints import Endpoints
-from kvserve.gateway.fleet import Fleet, note_arrival
-from kvserve.gateway.forward import ADMIN_KEY_HEADER, PREFILL_URL_HEADER
-from kvserve.gateway.policies import NoHealthyWorker
-from kvserve.gateway.prepare import Refused, prepare_request
-from kvserve.gateway.proxy_endpoint import PROXIED_PATHS
-from kvserve.gateway.seniority import Seniority
-from kvserve.gateway.tenancy import SALT_KEY_HEADER, Tenancy
-
-MODELS_PATH = "/v1/models"
+from kvserve.gateway.fleet.admission import Saturated
+from kvserve.gateway.fleet.build import Fleet, note_arrival
+from kvserve.wire.http import (
+    ADMIN_KEY_HEADER,
+    MODELS_PATH,
+    PREFILL_URL_HEADER,
+    PROXIED_PATHS,
+    SALT_KEY_HEADER,
+)
 
 
 @dataclass(slots=True)
