@@ -1,9 +1,9 @@
 """One request's dispatch, as every front end drives it: pick -> sent -> answered (the worker's
 response headers) -> first byte -> closed (done, failed or cancelled).
 
-The proxy (`forward.Forwarder`, `proxy_endpoint`), the Endpoint Picker (`epp.exchange`) and the
-simulator (`sim.gateway`) each move bytes their own way, but the bookkeeping a request leaves
-behind is this one object's: the worker's in-flight count from the moment the request is sent
+The proxy (`proxy.forward.Forwarder`, `proxy.endpoint`), the Endpoint Picker (`epp.exchange`)
+and the simulator (`sim.gateway`) each move bytes their own way, but the bookkeeping a request
+leaves behind is this one object's: the worker's in-flight count from the moment the request is sent
 (not when it answers: a burst of one prefix arriving meanwhile must see where it went), the
 policy's index (`observe`), the prefill backlog of uncached prompt tokens until the answer
 starts, first-byte lateness for admission's latency limit, and the metrics. Pure: the caller

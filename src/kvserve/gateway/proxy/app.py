@@ -1,4 +1,4 @@
-"""The gateway's HTTP face: OpenAI routes proxied to the chosen worker (`proxy_endpoint`, on
+"""The gateway's HTTP face: OpenAI routes proxied to the chosen worker (`endpoint`, on
 plain ASGI), plus /v1/models, /health, /metrics and /workers (FastAPI). Stateless across
 replicas: the routing policy needs no shared state."""
 
