@@ -17,6 +17,10 @@ ADMIN_KEY_HEADER = "x-kvserve-admin-key"
 SALT_KEY_HEADER = "x-kvserve-salt-key"
 """The workers' `--trusted-salt-key`: proves a request's `cache_salt` is the gateway's."""
 
+TENANT_HEADER = "x-tenant-id"
+"""The tenant the gateway resolved, sent to workers (and, behind a trusted layer, read from
+clients: `--trust-tenant-header`)."""
+
 PREDICTED_CACHED_HEADER = "x-kvserve-predicted-cached-tokens"
 """On each answer the gateway relays: the prompt tokens the policy expected the worker to have
 cached, so a client can check the routing's prediction against the worker's

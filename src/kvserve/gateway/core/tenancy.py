@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.wire.http import SALT_KEY_HEADER
+from kvserve.wire.http import SALT_KEY_HEADER, TENANT_HEADER
 
 MIN_SECRET_CHARS = 16  # a salt secret shorter than this could be guessed
 
@@ -43,7 +43,7 @@ class Tenancy:
     groups: Mapping[str, str] = field(default_factory=dict)  # tenant -> sharing group
     key_tenants: Mapping[str, str] = field(default_factory=dict)  # sha256(key) hex -> tenant
     trust_header: bool = False
-    header: str = "x-tenant-id"
+    header: str = TENANT_HEADER
 
     def __post_init__(self) -> None:
         if len(self.secret) < MIN_SECRET_CHARS:
@@ -93,7 +93,7 @@ class Tenancy:
         if identity.salt is not None and trusted_salt_key is not None:
             forwarded[SALT_KEY_HEADER] = trusted_salt_key
             if identity.tenant is not None:
-                forwarded["x-tenant-id"] = identity.tenant
+                forwarded[TENANT_HEADER] = identity.tenant
         return forwarded
 
     def salt_for(self, tenant: str) -> str:
@@ -104,7 +104,7 @@ class Tenancy:
     @classmethod
     def from_options(cls, secret: str, share_groups: Sequence[str] = (),
                      api_keys_file: str | None = None, trust_header: bool = False,
-                     header: str = "x-tenant-id") -> Tenancy:
+                     header: str = TENANT_HEADER) -> Tenancy:
         """Sharing groups from `TENANT=GROUP` strings, key tenants from a keys file (see
         `read_api_keys`). Raises ValueError saying what to fix."""
         groups = {}

@@ -32,6 +32,7 @@ from kvserve.wire.http import (
     PREFILL_URL_HEADER,
     PROXIED_PATHS,
     SALT_KEY_HEADER,
+    TENANT_HEADER,
 )
 
 
@@ -50,7 +51,7 @@ class Picker:
 
     def client_headers(self) -> set[str]:
         """Headers a client may send that only the gateway may set for a worker."""
-        return {self.tenancy.header, "x-tenant-id", SALT_KEY_HEADER, "authorization",
+        return {self.tenancy.header, TENANT_HEADER, SALT_KEY_HEADER, "authorization",
                 ADMIN_KEY_HEADER.lower(), PREFILL_URL_HEADER.lower(),
                 protocol.SUBSET_KEY}
 
