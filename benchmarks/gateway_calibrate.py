@@ -28,9 +28,9 @@ from rich.table import Table
 from kvserve.bench.gateway_fleet import BENCH_SALT_SECRET
 from kvserve.bench.gateway_report import CaseRun
 from kvserve.bench.gateway_workload import GatewayRequest
-from kvserve.gateway.policies import RouteRequest
-from kvserve.gateway.route_key import route_request_for
-from kvserve.gateway.tenancy import Tenancy
+from kvserve.gateway.core.pipeline import RouteRequest
+from kvserve.gateway.core.route_key import route_request_for
+from kvserve.gateway.core.tenancy import Tenancy
 from kvserve.percentiles import percentile
 from kvserve.sim import CostProfile, RouteKeys
 from kvserve.sim.client import ClientConfig

@@ -76,7 +76,7 @@ from kvserve.bench.server_launch import (
     LaunchSpec,
     retry_port_clash,
 )
-from kvserve.gateway.prefix import DEFAULT_BLOCK_CHARS
+from kvserve.gateway.core.prefix import DEFAULT_BLOCK_CHARS
 from kvserve.sim.client import ClientConfig
 
 DEFAULT_ROUTERS = ("ideal,kvserve:prefix_hash,kvserve:cache_aware,kvserve:round_robin,"

@@ -19,10 +19,10 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from kvserve.bench.gateway_workload import BlockTexts, gateway_requests, tenant_trace
-from kvserve.gateway.prefix import RouteKey
-from kvserve.gateway.route_key import route_request_for
-from kvserve.gateway.token_keys import TokenKeyer
-from kvserve.gateway.token_memo import MemoOutcome
+from kvserve.gateway.core.prefix import RouteKey
+from kvserve.gateway.core.route_key import route_request_for
+from kvserve.gateway.core.token_keys import TokenKeyer
+from kvserve.gateway.core.token_memo import MemoOutcome
 from kvserve.workload import MultiTenantSpec
 
 

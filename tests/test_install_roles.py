@@ -18,7 +18,8 @@ ENGINE_ONLY = ("torch", "safetensors", "transformers", "kvserve.model", "kvserve
 # Imports each torch-free role as a user reaches it, then names the engine packages it pulled in.
 PROBE = """
 import sys
-import kvserve.gateway, kvserve.gateway.command, kvserve.gateway.app, kvserve.gateway.epp.server
+import kvserve.gateway, kvserve.gateway.cli.gateway, kvserve.gateway.proxy.app
+import kvserve.gateway.epp.server
 import kvserve.ops, kvserve.ops.doctor_command
 import kvserve.sim, kvserve.sim.command, kvserve.sim.fleet
 import kvserve.cli

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 
 from kvserve import __version__
 from kvserve.bench import engine_cli, kvcache_cli, routers_cli, serve_cli
-from kvserve.gateway import command as gateway_command
-from kvserve.gateway import up_command
-from kvserve.gateway.epp import command as epp_command
+from kvserve.gateway.cli import epp as epp_command
+from kvserve.gateway.cli import gateway as gateway_command
+from kvserve.gateway.cli import up as up_command
 from kvserve.ops import doctor_command
 from kvserve.server import command as serve_command
 from kvserve.sim import command as simulate_command

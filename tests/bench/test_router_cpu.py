@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import with_repo_on_path
 from benchmarks.stub_worker import StubWorker
-from kvserve.gateway.scraper import read_series
+from kvserve.gateway.fleet.scraper import read_series
 
 
 def test_the_stub_worker_streams_its_tokens_and_reports_vllm_series(tmp_path: Path) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable, Mapping
 
-from kvserve.gateway.policies import RouteRequest, WorkerView
-from kvserve.gateway.prefix import RouteKey
+from kvserve.gateway.core.pipeline import RouteRequest, WorkerView
+from kvserve.gateway.core.prefix import RouteKey
 
 
 def views(loads: Mapping[str, int], unhealthy: Iterable[str] = ()) -> list[WorkerView]:

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from kvserve.gateway.admission import Admission, Saturated
-from kvserve.gateway.scraper import apply_metrics
-from kvserve.gateway.worker_pool import WorkerPool, WorkerState, worker_slots
+from kvserve.gateway.fleet.admission import Admission, Saturated
+from kvserve.gateway.fleet.scraper import apply_metrics
+from kvserve.gateway.fleet.worker_pool import WorkerPool, WorkerState, worker_slots
 
 
 def run(coro: object) -> None:

@@ -9,9 +9,9 @@ import asyncio
 import selectors
 from dataclasses import dataclass, field
 
-from kvserve.gateway.admission import Admission, Saturated, Slot
-from kvserve.gateway.admission_core import AdmissionCore, Ticket, TicketState
-from kvserve.gateway.latency_limit import LatencyLimit
+from kvserve.gateway.core.admission_core import AdmissionCore, Ticket, TicketState
+from kvserve.gateway.core.latency_limit import LatencyLimit
+from kvserve.gateway.fleet.admission import Admission, Saturated, Slot
 from kvserve.sim import (
     BUILTIN,
     Backpressure,

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.gateway.admission_core import (
+from kvserve.gateway.core.admission_core import (
     AdmissionCore,
     AdmissionLimits,
     Ticket,
     TicketState,
 )
-from kvserve.gateway.latency_limit import LatencyLimit
+from kvserve.gateway.core.latency_limit import LatencyLimit
 
 
 class FakeClock:
@@ -195,7 +195,7 @@ def test_late_answers_cut_the_limit_once_per_generation_and_answers_in_time_admi
 
 
 def test_retries_are_a_fraction_of_what_was_admitted() -> None:
-    from kvserve.gateway.retry_budget import RetryBudget
+    from kvserve.gateway.core.retry_budget import RetryBudget
 
     admission, _ = core(100, retry_budget=RetryBudget(ratio=0.5, min_per_s=0.0, balance=0.0))
     assert not admission.may_retry()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import httpx
 
-from kvserve.gateway.worker_pool import worker_slots
+from kvserve.gateway.fleet.worker_pool import worker_slots
 from tests.gateway.processes import Process, running_gateway, running_workers, wait_until
 
 BATCH = 2

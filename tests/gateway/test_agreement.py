@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.gateway.policies import (
+from kvserve.gateway.core.pipeline import (
     POLICY_NAMES,
     PrecisePolicy,
     RouteRequest,

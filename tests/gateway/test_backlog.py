@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.gateway.policies import (
+from kvserve.gateway.core.pipeline import (
     Branch,
     CacheAwarePolicy,
     PrecisePolicy,

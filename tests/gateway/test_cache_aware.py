@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.gateway.policies import BlockIndex, Branch, CacheAwarePolicy, RouteRequest
+from kvserve.gateway.core.pipeline import BlockIndex, Branch, CacheAwarePolicy, RouteRequest
 from tests.gateway.helpers import request, views
 
 PROMPT = "".join(f"{i:08d}" for i in range(40))  # 40 blocks of 8 characters

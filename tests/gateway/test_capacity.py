@@ -10,18 +10,18 @@ import asyncio
 
 import pytest
 
-from kvserve.gateway.policies import (
+from kvserve.gateway.core.pipeline import (
     BlockIndex,
     Branch,
     CacheAwarePolicy,
     CapacityAware,
     RouteRequest,
 )
-from kvserve.gateway.prefix import CHARS_PER_TOKEN
-from kvserve.gateway.scraper import Scraper, apply_metrics
-from kvserve.gateway.text_capacity import MIN_SAMPLES, TextCapacity
-from kvserve.gateway.upstream_http import UpstreamClient
-from kvserve.gateway.worker_pool import WorkerPool, WorkerState
+from kvserve.gateway.core.prefix import CHARS_PER_TOKEN
+from kvserve.gateway.fleet.scraper import Scraper, apply_metrics
+from kvserve.gateway.fleet.text_capacity import MIN_SAMPLES, TextCapacity
+from kvserve.gateway.fleet.upstream_http import UpstreamClient
+from kvserve.gateway.fleet.worker_pool import WorkerPool, WorkerState
 from kvserve.model.demo_tokenizer import build_tokenizer
 from tests.gateway.helpers import request, views
 from tests.gateway.loopback import loopback_workers
@@ -85,7 +85,7 @@ def test_without_a_known_capacity_every_tenant_stays_pinned_to_the_survivor() ->
 
 def test_capacity_is_counted_in_the_requests_blocks_and_capped_at_the_memory_bound(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvserve.gateway.policies import cache_aware
+    from kvserve.gateway.core.pipeline import indexes as cache_aware
 
     monkeypatch.setattr(cache_aware, "MAX_BLOCKS_PER_WORKER", 10)
     policy = CacheAwarePolicy()

@@ -14,14 +14,14 @@ from kvserve.client_timeout import (
     format_timeout,
     refusals_spend_retries,
 )
-from kvserve.gateway.admission import Admission, Saturated
-from kvserve.gateway.latency_limit import LatencyLimit
-from kvserve.gateway.queue_wait import (
+from kvserve.gateway.core.latency_limit import LatencyLimit
+from kvserve.gateway.core.queue_wait import (
     ANSWER_SAMPLES,
     MIN_ANSWER_SAMPLES,
     AnswerTimes,
     max_queue_wait,
 )
+from kvserve.gateway.fleet.admission import Admission, Saturated
 
 
 def test_the_tightest_timeout_header_wins_in_seconds() -> None:
@@ -195,15 +195,20 @@ def test_answers_in_time_let_a_queued_request_in_through_the_slot() -> None:
 
 
 def test_lateness_is_the_workers_time_not_the_wait_for_admission() -> None:
-    from kvserve.gateway.proxy_endpoint import _Budget
+    from kvserve.gateway.core.lifecycle import Dispatch, Ledger
+    from kvserve.gateway.core.pipeline import RoundRobinPolicy, RouteRequest
+
+    def dispatch(timeout_s: float | None, ttft_target_s: float | None) -> Dispatch:
+        return Dispatch(RoundRobinPolicy(), Ledger(), RouteRequest(()), started=0.0,
+                        admitted=5.0, deadline=timeout_s, ttft_target_s=ttft_target_s)
 
     # A 10 s client that waited 5 s for admission: the workers had 5 s, and 3/4 of that is
     # late, although 8 s after arrival is already past 3/4 of the client's timeout.
-    budget = _Budget(started=0.0, timeout_s=10.0, ttft_target_s=None, admitted=5.0)
+    budget = dispatch(10.0, None)
     assert not budget.is_late(8.0)
     assert budget.is_late(9.0)
-    assert _Budget(0.0, 10.0, 2.0, admitted=5.0).is_late(7.5)  # --ttft-target 2 s
-    assert not _Budget(0.0, None, None, admitted=5.0).is_late(500.0)  # nothing said
+    assert dispatch(10.0, 2.0).is_late(7.5)  # --ttft-target 2 s
+    assert not dispatch(None, None).is_late(500.0)  # nothing said
 
 
 def test_the_latency_limit_neither_bounds_nor_learns_where_it_does_not_apply() -> None:
@@ -224,8 +229,8 @@ def test_the_latency_limit_neither_bounds_nor_learns_where_it_does_not_apply() -
 
 
 def test_the_latency_limit_applies_while_some_worker_does_not_declare_its_batch() -> None:
-    from kvserve.gateway.scraper import apply_metrics
-    from kvserve.gateway.worker_pool import WorkerPool
+    from kvserve.gateway.fleet.scraper import apply_metrics
+    from kvserve.gateway.fleet.worker_pool import WorkerPool
 
     declared = 'kvserve:max_num_seqs{model_name="m"} 16\n'
     pool = WorkerPool(["http://kvserve", "http://vllm"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.gateway.discovery import (
+from kvserve.gateway.fleet.discovery import (
     DnsName,
     WorkerDiscovery,
     WorkersFileError,
@@ -18,7 +18,7 @@ from kvserve.gateway.discovery import (
     parse_workers_file,
     worker_urls,
 )
-from kvserve.gateway.worker_pool import WorkerPool
+from kvserve.gateway.fleet.worker_pool import WorkerPool
 
 A, B, C = "http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000"
 

@@ -8,8 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
-from kvserve.gateway.policies import RouteRequest, RoutingPolicy, make_policy
-from kvserve.gateway.worker_pool import WorkerPool
+from kvserve.gateway.core.pipeline import RouteRequest, RoutingPolicy, make_policy
+from kvserve.gateway.fleet.worker_pool import WorkerPool
 from tests.gateway.helpers import random_requests
 
 KEYS = random_requests(2000, seed=26)

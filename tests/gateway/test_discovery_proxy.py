@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.gateway.discovery import worker_urls
+from kvserve.gateway.fleet.discovery import worker_urls
 from tests.gateway.conftest import MakeClient
 from tests.gateway.processes import ADMIN_KEY, Process, wait_until
 from tests.gateway.tcp_proxy import FaultyProxy, Stall

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.gateway.event_index import WorkerIndexFeed, first_block_salt
-from kvserve.gateway.policies import PrecisePolicy, RouteRequest
-from kvserve.gateway.prefix import engine_block_hashes
+from kvserve.gateway.core.pipeline import PrecisePolicy, RouteRequest
+from kvserve.gateway.core.prefix import engine_block_hashes
+from kvserve.gateway.fleet.event_index import WorkerIndexFeed, first_block_salt
 from kvserve.kvevents.wire import AllCleared, RemovedBlocks, StoredBlocks
 from tests.gateway.helpers import views
 

@@ -9,10 +9,10 @@ import asyncio
 
 import pytest
 
-from kvserve.gateway.foreign_load import ForeignLoad
-from kvserve.gateway.scraper import Scraper
-from kvserve.gateway.upstream_http import UpstreamClient
-from kvserve.gateway.worker_pool import WorkerPool
+from kvserve.gateway.fleet.foreign_load import ForeignLoad
+from kvserve.gateway.fleet.scraper import Scraper
+from kvserve.gateway.fleet.upstream_http import UpstreamClient
+from kvserve.gateway.fleet.worker_pool import WorkerPool
 from tests.gateway.loopback import loopback_workers
 
 

@@ -10,18 +10,18 @@ import contextlib
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 
-from kvserve.gateway.admission import Admission
-from kvserve.gateway.forward import Forwarder
-from kvserve.gateway.metrics import GatewayMetrics
-from kvserve.gateway.policies import (
+from kvserve.gateway.core.pipeline import (
     Branch,
     CacheAwarePolicy,
     DisaggregatedRouter,
     LeastLoadPolicy,
 )
-from kvserve.gateway.retry_budget import RetryBudget
-from kvserve.gateway.upstream_http import UpstreamClient
-from kvserve.gateway.worker_pool import WorkerPool
+from kvserve.gateway.core.retry_budget import RetryBudget
+from kvserve.gateway.fleet.admission import Admission
+from kvserve.gateway.fleet.metrics import GatewayMetrics
+from kvserve.gateway.fleet.upstream_http import UpstreamClient
+from kvserve.gateway.fleet.worker_pool import WorkerPool
+from kvserve.gateway.proxy.forward import Forwarder
 from tests.gateway.helpers import request
 
 Scenario = Callable[[WorkerPool, GatewayMetrics, RetryBudget, UpstreamClient], Awaitable[None]]
@@ -77,7 +77,7 @@ def test_a_second_request_follows_the_first_before_the_worker_answers() -> None:
         forwarder = Forwarder(pool, policy, client, budget, metrics, "cache_aware", 30.0)
         route = request("the tenant's long shared system prompt " * 8, "acme")
         first = asyncio.create_task(forwarder.open("/v1/completions", {"prompt": "x"}, {},
-                                                   route, 0.0))
+                                                   forwarder.dispatch(route, 0.0)))
         await until(lambda: sum(pool.get(u).in_flight for u in pool.urls) == 1,
                     "the first request to be out, its worker silent")
         assert not first.done()
@@ -91,7 +91,7 @@ def test_a_second_request_follows_the_first_before_the_worker_answers() -> None:
         longer = request("the tenant's long shared system prompt " * 8 + "and a question",
                          "acme")
         second = asyncio.create_task(forwarder.open("/v1/completions", {"prompt": "y"}, {},
-                                                    longer, 0.0))
+                                                    forwarder.dispatch(longer, 0.0)))
         await until(lambda: worker.in_flight == 2, "the second request to follow the first")
         held = len(route.prefix_hashes)
         assert worker.prefill_backlog_tokens == route.num_tokens + longer.uncached_tokens(held)
@@ -109,11 +109,11 @@ def test_in_disaggregated_mode_the_backlog_is_the_prefill_workers() -> None:
         prefill_url, *decode_urls = pool.urls
         disagg = DisaggregatedRouter(CacheAwarePolicy(), LeastLoadPolicy(seed=0), [prefill_url],
                                      decode_urls)
-        forwarder = Forwarder(pool, disagg.prefill_policy, client, budget, metrics,
-                              "cache_aware", 30.0, disagg=disagg, admin_key="k")
+        forwarder = Forwarder(pool, disagg, client, budget, metrics, "cache_aware", 30.0,
+                              admin_key="k")
         route = request("a prompt the prefill worker computes " * 8, "acme")
         task = asyncio.create_task(forwarder.open("/v1/completions", {"prompt": "x"}, {},
-                                                  route, 0.0))
+                                                  forwarder.dispatch(route, 0.0)))
         await until(lambda: pool.get(prefill_url).prefill_backlog_tokens > 0,
                     "the request to be out to a decode worker, which waits for the KV")
         assert pool.get(prefill_url).prefill_backlog_tokens == route.num_tokens > 0

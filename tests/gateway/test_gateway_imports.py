@@ -8,7 +8,7 @@ import sys
 
 
 def test_the_cli_and_the_gateway_app_import_neither_torch_nor_the_engine() -> None:
-    code = ("import sys, kvserve.cli, kvserve.gateway.app, kvserve.gateway.command; "
+    code = ("import sys, kvserve.cli, kvserve.gateway.proxy.app, kvserve.gateway.cli.gateway; "
             "heavy = sorted(m for m in sys.modules if m == 'torch' or "
             "m.startswith(('kvserve.model', 'kvserve.runtime', 'kvserve.engine'))); "
             "print(heavy); sys.exit(1 if heavy else 0)")

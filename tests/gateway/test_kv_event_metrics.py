@@ -11,12 +11,12 @@ import pytest
 import zmq.asyncio
 from prometheus_client import CollectorRegistry, generate_latest
 
-from kvserve.gateway.fleet import build_fleet
-from kvserve.gateway.kv_event_metrics import KvEventCollector
-from kvserve.gateway.kv_event_source import EventSource
-from kvserve.gateway.policies import PrecisePolicy
-from kvserve.gateway.settings import GatewaySettings
-from kvserve.gateway.zmq_events import ZmqEventFollower
+from kvserve.gateway.core.pipeline import PrecisePolicy
+from kvserve.gateway.fleet.build import build_fleet
+from kvserve.gateway.fleet.kv_event_metrics import KvEventCollector
+from kvserve.gateway.fleet.kv_event_source import EventSource
+from kvserve.gateway.fleet.settings import GatewaySettings
+from kvserve.gateway.fleet.zmq_events import ZmqEventFollower
 from kvserve.kvevents.wire import AllCleared, RemovedBlocks
 from tests.gateway.test_zmq_events import URL, block, held, model, until
 from tests.gateway.zmq_publisher import ScriptedPublisher
@@ -129,7 +129,7 @@ def test_a_worker_that_publishes_nothing_is_named_once_and_its_index_unknown(
                                          {"worker": silent}) == 0
         await follower.stop()
 
-    with caplog.at_level(logging.WARNING, logger="kvserve.gateway.zmq_events"):
+    with caplog.at_level(logging.WARNING, logger="kvserve.gateway.fleet.zmq_events"):
         asyncio.run(main())
     said = [r.getMessage() for r in caplog.records if silent in r.getMessage()]
     assert len(said) == 1

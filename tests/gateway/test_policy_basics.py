@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from kvserve.gateway.policies import (
+from kvserve.gateway.core.pipeline import (
     POLICY_NAMES,
     Branch,
     LeastLoadPolicy,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvserve.gateway.policies import Branch, PrecisePolicy, RouteRequest
-from kvserve.gateway.prefix import RouteKey
+from kvserve.gateway.core.pipeline import Branch, PrecisePolicy, RouteRequest
+from kvserve.gateway.core.prefix import RouteKey
 from tests.gateway.helpers import views
 
 BLOCK = 4

@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 from tokenizers import Tokenizer
 
-from kvserve.gateway.prefix import engine_block_hashes
-from kvserve.gateway.route_key import route_request_for
-from kvserve.gateway.token_keys import TokenKeyer
+from kvserve.gateway.core.prefix import engine_block_hashes
+from kvserve.gateway.core.route_key import route_request_for
+from kvserve.gateway.core.token_keys import TokenKeyer
 from tests.gateway.processes import ADMIN_KEY, Process
 
 PROMPT = "The compliance checker reads every clause of the contract and flags the risky ones. " * 2

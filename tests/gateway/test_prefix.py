@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.gateway.prefix import (
+from kvserve.gateway.core.prefix import (
     RouteKey,
     canonical_chat,
     engine_block_hashes,
@@ -91,7 +91,7 @@ def test_bad_input_is_a_value_error_that_says_why() -> None:
 
 def test_keys_are_identical_across_processes() -> None:
     code = (
-        "from kvserve.gateway.prefix import RouteKey as K;"
+        "from kvserve.gateway.core.prefix import RouteKey as K;"
         "print(K.from_text('abc' * 200, 'tenant-7').prefix_hashes[-1].hex(),"
         " K.from_token_ids(list(range(40)), 'tenant-7').prefix_hashes[-1].hex())"
     )

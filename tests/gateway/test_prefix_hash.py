@@ -8,7 +8,7 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvserve.gateway.policies import (
+from kvserve.gateway.core.pipeline import (
     Branch,
     PrefixHashPolicy,
     load_bound,

@@ -9,8 +9,8 @@ import httpx
 import openai
 import pytest
 
-from kvserve.gateway.tenancy import Tenancy
-from kvserve.gateway.text_capacity import DEFAULT_SAMPLE_EVERY, MIN_SAMPLES
+from kvserve.gateway.core.tenancy import Tenancy
+from kvserve.gateway.fleet.text_capacity import DEFAULT_SAMPLE_EVERY, MIN_SAMPLES
 from tests.gateway.conftest import SALT_SECRET, MakeClient
 from tests.gateway.processes import Process, running_gateway, wait_until
 

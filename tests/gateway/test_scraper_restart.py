@@ -8,10 +8,10 @@ import asyncio
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvserve.gateway.policies import Branch, CacheAwarePolicy
-from kvserve.gateway.scraper import Scraper, apply_metrics
-from kvserve.gateway.upstream_http import UpstreamClient
-from kvserve.gateway.worker_pool import WorkerPool, WorkerState
+from kvserve.gateway.core.pipeline import Branch, CacheAwarePolicy
+from kvserve.gateway.fleet.scraper import Scraper, apply_metrics
+from kvserve.gateway.fleet.upstream_http import UpstreamClient
+from kvserve.gateway.fleet.worker_pool import WorkerPool, WorkerState
 from tests.gateway.helpers import request, views
 from tests.gateway.loopback import loopback_workers
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.gateway.seniority import Seniority, request_key
+from kvserve.gateway.core.seniority import Seniority, request_key
 
 BODY = b'{"model": "m", "prompt": "hello", "max_tokens": 4}'
 

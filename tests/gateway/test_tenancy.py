@@ -1,4 +1,4 @@
-"""Who a request belongs to (kvserve.gateway.tenancy): the API key decides when keys map to
+"""Who a request belongs to (kvserve.gateway.core.tenancy): the API key decides when keys map to
 tenants, a tenant header only behind a layer the operator trusts, sharing groups share a salt,
 and no salt can be computed without the gateway's secret."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.gateway.command import add_gateway_arguments, tenancy_from
-from kvserve.gateway.tenancy import Identity, Tenancy, read_api_keys
+from kvserve.gateway.cli.gateway import add_gateway_arguments, tenancy_from
+from kvserve.gateway.core.tenancy import Identity, Tenancy, read_api_keys
 
 SECRET = "a-test-secret-of-32-characters!!"
 KEY_A, KEY_B = "key-of-team-a-0123456789", "key-of-team-b-0123456789"

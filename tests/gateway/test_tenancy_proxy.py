@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from kvserve.gateway.tenancy import Tenancy
+from kvserve.gateway.core.tenancy import Tenancy
 from tests.gateway.processes import Process, running_gateway, running_workers
 
 SECRET = "tenancy-proxy-test-secret-0123456789"

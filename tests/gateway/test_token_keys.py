@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.gateway.route_key import route_request_for
-from kvserve.gateway.token_keys import TokenKeyer
+from kvserve.gateway.core.route_key import route_request_for
+from kvserve.gateway.core.token_keys import TokenKeyer
 
 MESSAGES = [{"role": "user", "content": "Summarise the quarterly filing. " * 4}]
 

@@ -11,12 +11,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from kvserve.gateway.admission import Admission
-from kvserve.gateway.metrics import GatewayMetrics
-from kvserve.gateway.retry_budget import RetryBudget
-from kvserve.gateway.token_keys import ExactKeys, TokenKeyer
-from kvserve.gateway.token_memo import MemoLimits, MemoOutcome, TokenMemo
-from kvserve.gateway.worker_pool import WorkerPool
+from kvserve.gateway.core.retry_budget import RetryBudget
+from kvserve.gateway.core.token_keys import TokenKeyer
+from kvserve.gateway.core.token_memo import MemoLimits, MemoOutcome, TokenMemo
+from kvserve.gateway.fleet.admission import Admission
+from kvserve.gateway.fleet.metrics import GatewayMetrics
+from kvserve.gateway.fleet.token_source import ExactKeys
+from kvserve.gateway.fleet.worker_pool import WorkerPool
 from kvserve.model.demo_tokenizer import CHAT_TEMPLATE
 from tests.gateway.memo_tokenizers import CORPUS, FAMILIES, never_resyncs
 

@@ -72,12 +72,12 @@ def test_up_and_a_gateway_place_new_prefixes_by_one_rule() -> None:
     """`kvserve up` routes exactly as `kvserve gateway` given the same flags: no option of its
     own (a new prefix goes where every replica would put it, unless the operator says)."""
     from kvserve.cli import build_parser
-    from kvserve.gateway.command import _settings
+    from kvserve.gateway.cli.gateway import settings_from_args
 
     parser = build_parser()
     secret = ["--salt-secret", "s" * 32]
-    up = _settings(parser.parse_args(["up", *secret]), ["http://w"])
-    gateway = _settings(parser.parse_args(["gateway", "--worker", "http://w", *secret]),
+    up = settings_from_args(parser.parse_args(["up", *secret]), ["http://w"])
+    gateway = settings_from_args(parser.parse_args(["gateway", "--worker", "http://w", *secret]),
                         ["http://w"])
     assert up.policy == gateway.policy == "cache_aware"
     assert up.policy_options == gateway.policy_options == ()

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from kvserve.gateway.upstream_http import (
+from kvserve.gateway.fleet.upstream_http import (
     ConnectError,
     ReadTimeout,
     RemoteProtocolError,

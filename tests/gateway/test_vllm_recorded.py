@@ -13,11 +13,11 @@ import msgpack
 import pytest
 import zmq.asyncio
 
-from kvserve.gateway.event_index import WorkerIndexFeed
-from kvserve.gateway.kv_event_source import EventSource
-from kvserve.gateway.policies import PrecisePolicy
-from kvserve.gateway.prefix import engine_block_hashes
-from kvserve.gateway.zmq_events import ZmqEventFollower
+from kvserve.gateway.core.pipeline import PrecisePolicy
+from kvserve.gateway.core.prefix import engine_block_hashes
+from kvserve.gateway.fleet.event_index import WorkerIndexFeed
+from kvserve.gateway.fleet.kv_event_source import EventSource
+from kvserve.gateway.fleet.zmq_events import ZmqEventFollower
 from kvserve.kvevents.wire import (
     END_OF_REPLAY_SEQ,
     AllCleared,

@@ -10,10 +10,10 @@ from collections.abc import Awaitable, Callable
 import pytest
 import zmq.asyncio
 
-from kvserve.gateway.kv_event_source import EventSource
-from kvserve.gateway.policies import PrecisePolicy, RouteRequest
-from kvserve.gateway.prefix import engine_block_hashes
-from kvserve.gateway.zmq_events import ZmqEventFollower
+from kvserve.gateway.core.pipeline import PrecisePolicy, RouteRequest
+from kvserve.gateway.core.prefix import engine_block_hashes
+from kvserve.gateway.fleet.kv_event_source import EventSource
+from kvserve.gateway.fleet.zmq_events import ZmqEventFollower
 from kvserve.kvevents.wire import AllCleared, RemovedBlocks, StoredBlocks
 from tests.gateway.helpers import views
 from tests.gateway.zmq_publisher import ScriptedPublisher

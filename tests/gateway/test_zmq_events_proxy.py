@@ -14,7 +14,7 @@ import httpx
 import pytest
 from tokenizers import Tokenizer
 
-from kvserve.gateway.forward import PREDICTED_CACHED_HEADER
+from kvserve.wire.http import PREDICTED_CACHED_HEADER
 from tests.gateway.conftest import SALT_SECRET, MakeClient
 from tests.gateway.processes import (
     Process,

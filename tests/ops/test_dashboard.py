@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from prometheus_client import generate_latest
 
-from kvserve.gateway.fleet import build_fleet
-from kvserve.gateway.settings import GatewaySettings
+from kvserve.gateway.fleet.build import build_fleet
+from kvserve.gateway.fleet.settings import GatewaySettings
 from tests.ops.conftest import Servers
 from tests.ops.promql import exported_names, metric_names
 

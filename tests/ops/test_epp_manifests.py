@@ -267,8 +267,8 @@ def test_the_epp_arguments_parse_with_kvserve(monkeypatch: pytest.MonkeyPatch) -
     """With `kvserve epp` present, its own parser; before it, `kvserve gateway`'s parser takes
     every argument but the EPP-only flags, which are checked here by form."""
     from kvserve.cli import build_parser
-    from kvserve.gateway.command import tenancy_from
-    from kvserve.gateway.policies import make_policy, parse_policy_options
+    from kvserve.gateway.cli.gateway import tenancy_from
+    from kvserve.gateway.core.pipeline import make_policy, parse_policy_options
 
     monkeypatch.setenv("KVSERVE_SALT_SECRET", "s" * 32)  # the Secret, as the pod's env has it
     parser = build_parser()

@@ -45,7 +45,7 @@ def test_workers_can_carry_a_real_gateways_ids() -> None:
     prefix_hash sends each tenant where the gateway's policy ranks first for its key."""
     import pytest
 
-    from kvserve.gateway.policies import PrefixHashPolicy, WorkerView
+    from kvserve.gateway.core.pipeline import PrefixHashPolicy, WorkerView
     from kvserve.sim import RouteKeys
     from kvserve.workload import prompt_token_ids
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.gateway.policies import RouteRequest
-from kvserve.gateway.prefix import RouteKey
+from kvserve.gateway.core.pipeline import RouteRequest
+from kvserve.gateway.core.prefix import RouteKey
 from kvserve.sim import RouteKeys
 from kvserve.workload import TraceRequest, prompt_token_ids
 from tests.sim.helpers import synthetic_trace

@@ -31,8 +31,8 @@ from kvserve.bench.server_launch import (
     ManagedProcess,
     free_port,
 )
-from kvserve.gateway.command import add_gateway_arguments
-from kvserve.gateway.policies import split_policy_spec
+from kvserve.gateway.cli.gateway import add_gateway_arguments
+from kvserve.gateway.core.pipeline import split_policy_spec
 
 IDEAL = "ideal"
 KVSERVE_GATEWAY = "kvserve"

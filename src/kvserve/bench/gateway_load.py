@@ -45,9 +45,9 @@ import httpx
 
 from kvserve.bench.gateway_workload import GatewayRequest
 from kvserve.client_timeout import SDK_RETRY_COUNT_HEADER, SDK_TIMEOUT_HEADER
-from kvserve.gateway.forward import PREDICTED_CACHED_HEADER
-from kvserve.gateway.scraper import apply_metrics
-from kvserve.gateway.worker_pool import WorkerState
+from kvserve.gateway.fleet.scraper import apply_metrics
+from kvserve.gateway.fleet.worker_pool import WorkerState
+from kvserve.wire.http import PREDICTED_CACHED_HEADER
 
 
 @dataclass(frozen=True, slots=True)

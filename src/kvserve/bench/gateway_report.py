@@ -24,7 +24,7 @@ from rich.table import Table
 
 from kvserve.bench.gateway_load import CounterPoller, RequestResult
 from kvserve.bench.gateway_workload import GatewayRequest
-from kvserve.gateway.prefix import CHARS_PER_TOKEN
+from kvserve.gateway.core.prefix import CHARS_PER_TOKEN
 from kvserve.percentiles import at_rank, percentile
 
 

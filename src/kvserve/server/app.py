@@ -39,9 +39,7 @@ from kvserve.server.structured import structured_output
 from kvserve.server.tool_calls import plan_tools
 from kvserve.server.trust import SaltTrust
 from kvserve.server.vllm_routes import add_vllm_routes, model_card
-
-PREFILL_URL_HEADER = "x-kvserve-prefill-url"
-ADMIN_KEY_HEADER = "x-kvserve-admin-key"
+from kvserve.wire.http import ADMIN_KEY_HEADER, PREFILL_URL_HEADER
 
 
 def _check_key(request: Request, expected: str | None, what: str = "API key") -> None:

@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvserve.server.errors import APIError
 from kvserve.server.settings import UntrustedSalt
+from kvserve.wire.http import SALT_KEY_HEADER
 
-SALT_KEY_HEADER = "x-kvserve-salt-key"
 TENANT_HEADER = "x-tenant-id"
 
 

@@ -2,9 +2,10 @@
 
 Each simulated worker holds a real `kvserve.kvcache.KVCacheManager` (hits, evictions and
 preemptions are exact) under a model of the engine's scheduling rules; the gateway is the real
-pure policy code (`kvserve.gateway.policies`) fed scraped, stale load signals; time comes from a
-cost model fitted to measurements (`profiles`). Imports only kvserve.kvcache, kvserve.workload
-and the gateway's pure policies and prefix keys: never the engine, model, runtime or server.
+pure core (`kvserve.gateway.core`: pipeline and dispatch lifecycle) fed scraped, stale load
+signals; time comes from a cost model fitted to measurements (`profiles`). Imports only
+kvserve.kvcache, kvserve.workload and the gateway's pure core: never the engine, model, runtime
+or server.
 """
 
 from kvserve.sim.client import ClientConfig, Outcome

@@ -12,8 +12,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvserve.gateway.admission_core import Ticket
-from kvserve.gateway.policies import RouteRequest
+from kvserve.gateway.core.admission_core import Ticket
+from kvserve.gateway.core.lifecycle import Dispatch
+from kvserve.gateway.core.pipeline import RouteRequest
 from kvserve.sim.seq import SimSeq
 from kvserve.workload import TraceRequest
 
@@ -80,7 +81,7 @@ class Attempt:
     sent_at: float
     seq: SimSeq | None = None
     worker_id: str | None = None
-    backlog_tokens: int = 0  # counted at the gateway until the first token (SimGateway.route)
+    dispatch: Dispatch | None = None  # its gateway bookkeeping, once sent (SimGateway.dispatch)
     ticket: Ticket | None = None  # its admission at the gateway (None: no admission)
     is_over: bool = False
     dispatched_at: float = 0.0  # when it went upstream (after any wait for admission)

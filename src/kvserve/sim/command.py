@@ -14,8 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from kvserve.gateway.policies import parse_policy_options, split_policy_spec
-from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
+from kvserve.gateway.core.pipeline import parse_policy_options, split_policy_spec
+from kvserve.gateway.core.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
 from kvserve.sim.client import ClientConfig
 from kvserve.sim.fleet import SIMULATED_POLICIES, SimConfig
 from kvserve.sim.gateway import Backpressure

@@ -13,13 +13,13 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.gateway.admission_core import AdmissionCore, Ticket, TicketState
-from kvserve.gateway.latency_limit import LatencyLimit, is_late
-from kvserve.gateway.policies import CapacityAware, RoutingPolicy, make_policy
+from kvserve.gateway.core.admission_core import AdmissionCore, Ticket, TicketState
+from kvserve.gateway.core.latency_limit import LatencyLimit
+from kvserve.gateway.core.pipeline import CapacityAware, RoutingPolicy, make_policy
 from kvserve.sim.client import Attempt, ClientConfig, ClientRequest, Outcome
 from kvserve.sim.costmodel import CostProfile
 from kvserve.sim.events import EventQueue, Priority
-from kvserve.sim.gateway import Backpressure, Scraped, SimGateway
+from kvserve.sim.gateway import Backpressure, Scraped, SimGateway, TicketHold
 from kvserve.sim.metrics import SimResult, TimelineSample
 from kvserve.sim.seq import SimSeq
 from kvserve.sim.summary import summarise
@@ -213,7 +213,14 @@ class FleetSimulator:
     def _dispatch(self, attempt: Attempt, now: float) -> None:
         client = attempt.request
         assert client.route is not None and client.prompt is not None
-        worker_id, attempt.backlog_tokens = self.gateway.route(client.route)
+        timeout = self.config.client.ttft_timeout_s
+        hold = (TicketHold(self.admission, attempt.ticket)
+                if self.admission is not None and attempt.ticket is not None else None)
+        dispatch = attempt.dispatch = self.gateway.dispatch(
+            client.route, attempt.sent_at, now,
+            None if timeout is None else attempt.sent_at + timeout, hold)
+        worker_id = dispatch.worker_id
+        assert worker_id is not None
         trace = client.trace
         seq = SimSeq(f"{trace.request_id}#{attempt.number}", client.prompt,
                      max(1, trace.output_length), trace.tenant)
@@ -223,7 +230,7 @@ class FleetSimulator:
         if not self.workers[worker_id].submit(seq, now):
             del self._attempt_of[seq.seq_id]
             attempt.is_over = True
-            self._release(attempt, now)
+            self._release(attempt, now, client_left=False)
             self._complete(client, Outcome.REJECTED, now)
 
     def _on_timeout(self, attempt: Attempt, now: float) -> None:
@@ -237,25 +244,23 @@ class FleetSimulator:
             self.admission.leave(attempt.ticket)
         elif attempt.worker_id is not None:
             del self._attempt_of[attempt.seq.seq_id]
-            if self.admission is not None and attempt.ticket is not None:
-                # gave up after admission: the fleet answers too slowly for it
-                self.admission.gave_up(attempt.ticket, now - attempt.dispatched_at)
             self.workers[attempt.worker_id].abort(attempt.seq, now)
-            self._release(attempt, now)
+            # gave up after admission: the fleet answers too slowly for it
+            self._release(attempt, now, client_left=True)
         if client.num_retries < self.config.client.max_retries:
             client.num_retries += 1
             self._send(client, now)
         else:
             self._complete(client, Outcome.GAVE_UP, now)
 
-    def _release(self, attempt: Attempt, now: float) -> None:
+    def _release(self, attempt: Attempt, now: float, client_left: bool) -> None:
         """The attempt's upstream request ended: the gateway's counts, and its admission slot
         (which may let queued attempts in)."""
-        assert attempt.worker_id is not None
-        self.gateway.release(attempt.worker_id, attempt.backlog_tokens)
-        attempt.backlog_tokens = 0
-        if self.admission is not None and attempt.ticket is not None:
-            self._start(self.admission.release(attempt.ticket), now)
+        dispatch = attempt.dispatch
+        assert dispatch is not None
+        dispatch.close(now, finished=not client_left, client_left=client_left)
+        if isinstance(dispatch.hold, TicketHold):
+            self._start(dispatch.hold.take_admitted(), now)
 
     def _overhead_s(self, client: ClientRequest) -> float:
         return self.config.profile.request_overhead_s(client.trace.input_length)
@@ -271,31 +276,23 @@ class FleetSimulator:
 
     def on_first_token(self, seq: SimSeq, now: float) -> None:
         attempt = self._attempt_of.get(seq.seq_id)  # None: cancelled while its step ran
-        if attempt is not None and attempt.worker_id is not None:
-            self.gateway.answered(attempt.worker_id, attempt.backlog_tokens)
-            attempt.backlog_tokens = 0
-        if attempt is not None and attempt.request.first_token_at is None:
+        if attempt is None or attempt.dispatch is None:
+            return
+        attempt.dispatch.answered_by(200)  # its prefill is no longer ahead of others
+        if attempt.request.first_token_at is None:
             # What the client sees also includes the API path (the profile's request overhead).
             at = now + self._overhead_s(attempt.request)
             attempt.request.first_token_at = at
-            if self.admission is not None and attempt.ticket is not None:
-                self._first_byte(attempt, at)
-
-    def _first_byte(self, attempt: Attempt, at: float) -> None:
-        """Tell admission, judged as the gateway judges (`latency_limit.is_late`)."""
-        assert self.admission is not None and attempt.ticket is not None
-        timeout = self.config.client.ttft_timeout_s
-        left = None if timeout is None else attempt.sent_at + timeout - attempt.dispatched_at
-        late = is_late(at - attempt.dispatched_at, left)
-        self._start(self.admission.first_byte(attempt.ticket, late, at - attempt.dispatched_at),
-                    at)
+            attempt.dispatch.first_byte(at)  # judged as the gateway judges, for admission
+            if isinstance(attempt.dispatch.hold, TicketHold):
+                self._start(attempt.dispatch.hold.take_admitted(), at)
 
     def on_finish(self, seq: SimSeq, now: float) -> None:
         attempt = self._attempt_of.pop(seq.seq_id, None)
         if attempt is None:
             return  # cancelled by the client while its last step ran; already let go
         attempt.is_over = True
-        self._release(attempt, now)
+        self._release(attempt, now, client_left=False)
         client = attempt.request
         client.finished_at = now + self._overhead_s(client)
         client.num_cached_tokens = max(seq.num_cached, 0)

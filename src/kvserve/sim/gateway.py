@@ -1,11 +1,11 @@
-"""The gateway as the simulator runs it: the real routing policy object, fed the load signals the
-production gateway sees, and its admission control.
+"""The gateway as the simulator runs it: the real routing policy object and the gateway's own
+dispatch lifecycle, fed the load signals the production gateway sees, and its admission control.
 
 Signals: `in_flight` is the gateway's own exact count per worker (it knows what it sent), and
 so is the prefill backlog (prompt tokens sent and not yet answered with a first token, less what
-the policy expected cached: gateway.forward keeps the same count); `num_running`, `num_waiting`
-and `kv_usage` come from the last scrape of the workers' metrics, so they are up to one scrape
-interval stale, as in production (gateway.scraper).
+the policy expected cached: `core.lifecycle.Dispatch` keeps it for every front end);
+`num_running`, `num_waiting` and `kv_usage` come from the last scrape of the workers' metrics,
+so they are up to one scrape interval stale, as in production (gateway.scraper).
 Admission is the gateway's own state machine (`gateway.admission_core`), driven from the
 simulated clock: the same limits, queue order, waits and refusals, the same AIMD latency limit
 with `latency_limit` (the gateway's default; it applies as the gateway applies it: only where
@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvserve.gateway.admission_core import AdmissionLimits
-from kvserve.gateway.policies import RouteRequest, RoutingPolicy, WorkerView
-from kvserve.gateway.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
+from kvserve.gateway.core.admission_core import AdmissionCore, AdmissionLimits, Ticket
+from kvserve.gateway.core.lifecycle import Dispatch, Ledger
+from kvserve.gateway.core.pipeline import RouteRequest, RoutingPolicy, WorkerView
+from kvserve.gateway.core.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +54,35 @@ class Scraped:
     kv_usage: float = 0.0
 
 
-class SimGateway:
-    """Routes with `policy` over `worker_ids`; counts what it sent and what it refused."""
+class TicketHold:
+    """An admission ticket as a dispatch's `Hold`: the simulator's admission core answers each
+    call with the queued tickets it now admits, which collect here until the simulator starts
+    them at the time it chooses (`take_admitted`)."""
+
+    __slots__ = ("admission", "admitted", "ticket")
+
+    def __init__(self, admission: AdmissionCore, ticket: Ticket) -> None:
+        self.admission = admission
+        self.ticket = ticket
+        self.admitted: list[Ticket] = []
+
+    def first_byte(self, late: bool, answer_s: float | None = None) -> None:
+        self.admitted += self.admission.first_byte(self.ticket, late, answer_s)
+
+    def gave_up(self, waited_s: float | None = None) -> None:
+        self.admission.gave_up(self.ticket, waited_s)
+
+    def release(self) -> None:
+        self.admitted += self.admission.release(self.ticket)
+
+    def take_admitted(self) -> list[Ticket]:
+        taken, self.admitted = self.admitted, []
+        return taken
+
+
+class SimGateway(Ledger):
+    """Routes with `policy` over `worker_ids` through the gateway's own dispatch lifecycle
+    (`core.lifecycle.Dispatch`); as its ledger, counts what it sent and what it refused."""
 
     def __init__(self, policy: RoutingPolicy, worker_ids: Iterable[str]) -> None:
         self.policy = policy
@@ -80,30 +108,29 @@ class SimGateway:
             for s in (self.scraped[w],)
         ]
 
-    def route(self, request: RouteRequest) -> tuple[str, int]:
-        """Choose a worker, tell the policy the request was sent, count it in flight. Returns
-        the worker and the prefill backlog tokens counted for the request, which the caller
-        hands back once: to `answered` at its first token, else to `release`."""
-        decision = self.policy.route(request, self.views())
-        worker_id = decision.worker_id
-        self.policy.observe(request, worker_id)
+    def dispatch(self, request: RouteRequest, sent_at: float, now: float,
+                 deadline: float | None = None, hold: TicketHold | None = None) -> Dispatch:
+        """Pick a worker for a request its client sent at `sent_at`, admitted and sent `now`
+        (the simulator sends at once; a worker's refusal is its answer)."""
+        dispatch = Dispatch(self.policy, self, request, started=sent_at, admitted=now,
+                            deadline=deadline, hold=hold)
+        decision = dispatch.pick(self.views())
+        dispatch.send(decision.worker_id, now)
+        return dispatch
+
+    # -- Ledger ---------------------------------------------------------------------------
+
+    def count_sent(self, worker_id: str) -> None:
         self.in_flight[worker_id] += 1
-        backlog = request.uncached_tokens(decision.predicted_hit_blocks)
-        self.backlog_tokens[worker_id] += backlog
         self.num_in_flight += 1
         self.num_routed += 1
         self.routed_by_worker[worker_id] += 1
-        return worker_id, backlog
 
-    def answered(self, worker_id: str, backlog_tokens: int) -> None:
-        """The worker sent a request's first token: its prefill is no longer ahead of others."""
-        assert 0 <= backlog_tokens <= self.backlog_tokens[worker_id], "backlog handed back twice"
-        self.backlog_tokens[worker_id] -= backlog_tokens
-
-    def release(self, worker_id: str, backlog_tokens: int = 0) -> None:
-        """A request sent to `worker_id` finished, failed or was cancelled; `backlog_tokens`:
-        its backlog if it was never `answered`."""
+    def count_ended(self, worker_id: str, finished: bool) -> None:
         assert self.in_flight[worker_id] > 0, f"release without a request in flight on {worker_id}"
-        self.answered(worker_id, backlog_tokens)
         self.in_flight[worker_id] -= 1
         self.num_in_flight -= 1
+
+    def add_backlog(self, worker_id: str, tokens: int) -> None:
+        self.backlog_tokens[worker_id] += tokens
+        assert self.backlog_tokens[worker_id] >= 0, "backlog handed back twice"

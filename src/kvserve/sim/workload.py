@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvserve.gateway.policies import RouteRequest
-from kvserve.gateway.prefix import ROOT_HASH, engine_extra_keys
+from kvserve.gateway.core.pipeline import RouteRequest
+from kvserve.gateway.core.prefix import ROOT_HASH, engine_extra_keys
 from kvserve.kvcache.hashing import TOKEN_WIDTH, chain_hashes, encode_tokens
 from kvserve.workload import (
     TRACE_BLOCK_SIZE,

@@ -22,7 +22,7 @@ import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kvserve.gateway.tenancy import Tenancy
+from kvserve.gateway.core.tenancy import Tenancy
 from tests.gateway.conftest import MakeClient
 from tests.gateway.epp.envoy_process import Envoy, envoy_binary, running_envoy
 from tests.gateway.processes import (

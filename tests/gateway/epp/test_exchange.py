@@ -13,12 +13,13 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf import json_format, struct_pb2
 
+from kvserve.gateway.core.tenancy import Tenancy
 from kvserve.gateway.epp import protocol
 from kvserve.gateway.epp.endpoints import Endpoints
 from kvserve.gateway.epp.exchange import Exchange, Picker
-from kvserve.gateway.fleet import Fleet, build_fleet
-from kvserve.gateway.settings import GatewaySettings
-from kvserve.gateway.tenancy import SALT_KEY_HEADER, Tenancy
+from kvserve.gateway.fleet.build import Fleet, build_fleet
+from kvserve.gateway.fleet.settings import GatewaySettings
+from kvserve.wire.http import SALT_KEY_HEADER
 
 WORKERS = ("http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.3:8000")
 SECRET = "exchange-test-secret-0123456789"

@@ -17,20 +17,23 @@ from dataclasses import dataclass, field
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvserve.client_timeout import BadTimeout, client_timeout_s, refusals_spend_retries
-from kvserve.gateway.admission import Saturated, Slot
+from kvserve.gateway.core.lifecycle import Dispatch
+from kvserve.gateway.core.pipeline import NoHealthyWorker
+from kvserve.gateway.core.prepare import Refused, prepare_request
+from kvserve.gateway.core.seniority import Seniority
+from kvserve.gateway.core.tenancy import Tenancy
 from kvserve.gateway.epp import protocol
 from kvserve.gateway.epp.endpoints import Endpoints
-from kvserve.gateway.fleet import Fleet, note_arrival
-from kvserve.gateway.forward import ADMIN_KEY_HEADER, PREFILL_URL_HEADER
-from kvserve.gateway.latency_limit import is_late
-from kvserve.gateway.policies import NoHealthyWorker, RouteDecision, RouteRequest
-from kvserve.gateway.prepare import Refused, prepare_request
-from kvserve.gateway.proxy_endpoint import PROXIED_PATHS
-from kvserve.gateway.seniority import Seniority
-from kvserve.gateway.tenancy import SALT_KEY_HEADER, Tenancy
-from kvserve.gateway.worker_pool import WorkerState
-
-MODELS_PATH = "/v1/models"
+from kvserve.gateway.fleet.admission import Saturated
+from kvserve.gateway.fleet.build import Fleet, note_arrival
+from kvserve.wire.http import (
+    ADMIN_KEY_HEADER,
+    MODELS_PATH,
+    PREFILL_URL_HEADER,
+    PROXIED_PATHS,
+    SALT_KEY_HEADER,
+    TENANT_HEADER,
+)
 
 
 @dataclass(slots=True)
@@ -48,7 +51,7 @@ class Picker:
 
     def client_headers(self) -> set[str]:
         """Headers a client may send that only the gateway may set for a worker."""
-        return {self.tenancy.header, "x-tenant-id", SALT_KEY_HEADER, "authorization",
+        return {self.tenancy.header, TENANT_HEADER, SALT_KEY_HEADER, "authorization",
                 ADMIN_KEY_HEADER.lower(), PREFILL_URL_HEADER.lower(),
                 protocol.SUBSET_KEY}
 
@@ -66,15 +69,9 @@ class Exchange:
         self.size = 0
         self.subset: list[str] | None = None
         self.decided = False
-        self.slot: Slot | None = None
-        self.admitted = 0.0  # when admission let it through
         self.timeout_s: float | None = None
-        self.route: RouteRequest | None = None
-        self.decision: RouteDecision | None = None
-        self.worker: WorkerState | None = None  # holds this request's in-flight count
-        self.backlog = 0  # prompt tokens counted on the worker until it answers
+        self.dispatch: Dispatch | None = None  # from admission: the request's bookkeeping
         self.key = b""
-        self.answered = False
         self.ended = False
         self.closed = False
 
@@ -181,81 +178,50 @@ class Exchange:
         deadline = None if self.timeout_s is None else self.started + self.timeout_s
         try:
             # An SDK client counts a 429 as one of its few retries: it waits its turn.
-            self.slot = await fleet.admission.admit(
+            slot = await fleet.admission.admit(
                 deadline, since, refuse_on_arrival=not refusals_spend_retries(self.headers))
-            self.admitted = time.monotonic()
         except Saturated as exc:
             fleet.metrics.rejections.labels(exc.reason).inc()
             return [protocol.immediate(429, f"the fleet is saturated ({exc.reason}); retry "
                                        f"after {exc.retry_after_s}s", "rate_limit_error",
                                        str(exc.retry_after_s))]
+        dispatch = self.dispatch = fleet.dispatch(prepared.route, self.started,
+                                                  time.monotonic(), deadline, slot)
         eligible = set(self._eligible())
         now = time.monotonic()
         views = [v for v in fleet.pool.views(now) if v.worker_id in eligible]
         try:
             if not views:
                 raise NoHealthyWorker(len(fleet.pool.workers))
-            decision = fleet.policy.route(prepared.route, views)
+            decision = dispatch.pick(views)
         except NoHealthyWorker:
-            self.answered = True  # the EPP answers: nothing to tell the latency limit
+            dispatch.answered = True  # the EPP answers: nothing to tell the latency limit
             self.close()
             return [self._no_endpoint()]
-        self._dispatch(prepared.route, decision, now)
-        ranked = [decision.worker_id] + [u for u in decision.ranked
-                                         if u != decision.worker_id and u in eligible]
+        # Counted on its pick now, as the proxy counts it when it sends: a burst of one
+        # prefix arriving meanwhile must see where it went.
+        dispatch.send(decision.worker_id, time.monotonic())
+        ranked = [u for u in dispatch.candidates() if u in eligible]
         payload = protocol.json_body(prepared.body)
         return protocol.routed(self.mode, [picker.endpoints.endpoint_of(u) for u in ranked],
                                payload, prepared.headers,
                                picker.client_headers() - set(prepared.headers))
 
-    def _dispatch(self, route: RouteRequest, decision: RouteDecision, now: float) -> None:
-        """Count the request on its pick now, as the proxy does when it sends: a burst of one
-        prefix arriving meanwhile must see where it went."""
-        fleet = self.picker.fleet
-        self.route, self.decision = route, decision
-        worker = self.worker = fleet.pool.get(decision.worker_id)
-        worker.in_flight += 1
-        worker.dispatched += 1
-        fleet.policy.observe(route, decision.worker_id)
-        fleet.metrics.added_latency.observe(time.monotonic() - self.started)
-        self.backlog = route.uncached_tokens(decision.predicted_hit_blocks)
-        worker.prefill_backlog_tokens += self.backlog
-
-    def _drop_backlog(self) -> None:
-        if self.backlog and self.worker is not None:
-            self.worker.prefill_backlog_tokens -= self.backlog
-        self.backlog = 0
-
     def _response_headers(self, request: pb.ProcessingRequest) -> pb.ProcessingResponse:
         headers = protocol.header_map(request.response_headers)
-        fleet = self.picker.fleet
-        self._drop_backlog()
+        fleet, dispatch = self.picker.fleet, self.dispatch
         served = protocol.served_endpoint(request, headers)
         url = self.picker.endpoints.url_of(served) if served else None
-        served_worker = fleet.pool.workers.get(url) if url is not None else None
-        decision, route = self.decision, self.route
-        if (url is not None and served_worker is not None and decision is not None
-                and route is not None):
-            if self.worker is not None and served_worker is not self.worker:
+        if (url is not None and url in fleet.pool.workers and dispatch is not None
+                and dispatch.worker_id is not None):
+            if url != dispatch.worker_id:
                 # Envoy walked the fallback list: the request is the served worker's now.
-                fleet.pool.end_request(self.worker)
-                served_worker.in_flight += 1
-                served_worker.dispatched += 1
-                self.worker = served_worker
-                fleet.policy.observe(route, url)
-                fleet.metrics.retries.labels("envoy").inc()
+                dispatch.failed()
+                dispatch.send(url, time.monotonic(), "envoy")
             status = int(headers.get(":status", "0") or 0)
-            if status in (429, 503):
-                fleet.pool.record_backpressure(url)
-            else:
-                fleet.pool.record_success(url)
-                served_worker.requests += 1
-                branch = decision.branch if url == decision.worker_id else "failover"
-                fleet.metrics.requests.labels(url, str(branch), fleet.settings.policy).inc()
-                if url == decision.worker_id:
-                    fleet.metrics.predicted_hit_blocks.inc(decision.predicted_hit_blocks)
-                if 200 <= status < 300 and self.picker.seniority is not None:
-                    self.picker.seniority.served(self.key)
+            backpressure = dispatch.answered_by(status)
+            if not backpressure and 200 <= status < 300 and self.picker.seniority is not None:
+                self.picker.seniority.served(self.key)
         if request.response_headers.end_of_stream:
             self._first_byte()
             self.ended = True
@@ -263,14 +229,8 @@ class Exchange:
         return protocol.continue_response_headers(remove=[protocol.SERVED_KEY])
 
     def _first_byte(self) -> None:
-        if self.answered or self.slot is None:
-            return
-        self.answered = True
-        now = time.monotonic()
-        admitted = self.admitted
-        left = None if self.timeout_s is None else self.started + self.timeout_s - admitted
-        self.slot.first_byte(is_late(now - admitted, left, self.picker.ttft_target_s),
-                             now - admitted)
+        if self.dispatch is not None:
+            self.dispatch.first_byte(time.monotonic())
 
     def close(self) -> None:
         """The end, however it came (response done, client gone, Envoy's stream closed): the
@@ -279,13 +239,7 @@ class Exchange:
         if self.closed:
             return
         self.closed = True
-        self._drop_backlog()
-        fleet = self.picker.fleet
-        if self.worker is not None:
-            if not self.ended:  # the worker may count it until it sees the disconnect
-                self.worker.abandoned += 1
-            fleet.pool.end_request(self.worker)  # a draining worker's last one lets it go
-        if self.slot is not None:
-            if not self.answered:
-                self.slot.gave_up(time.monotonic() - self.admitted)
-            self.slot.release()
+        if self.dispatch is not None:
+            # Not ended: the client left (or Envoy closed the stream) before the answer's end.
+            self.dispatch.close(time.monotonic(), finished=self.ended,
+                                client_left=not self.ended)

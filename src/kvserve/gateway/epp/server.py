@@ -18,9 +18,9 @@ from fastapi.responses import JSONResponse, Response
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvserve.gateway.core.tenancy import has_bearer
 from kvserve.gateway.epp.exchange import Exchange, Picker
-from kvserve.gateway.proxy_endpoint import error_body
-from kvserve.gateway.tenancy import has_bearer
+from kvserve.wire.http import error_body
 
 log = logging.getLogger(__name__)
 
