@@ -104,8 +104,7 @@ class Serving:
         self.metrics = metrics
         self.settings = settings
         self.in_flight = 0
-        scheduler_config = engine.engine.core.scheduler.config
-        self.capacity = scheduler_config.max_num_seqs + settings.max_waiting_requests
+        self.capacity = engine.info.limits.max_num_seqs + settings.max_waiting_requests
 
     def begin(self, raw: Request, model: str | None, cache_salt: str | None) -> Call:
         """Check the model name, the engine and who may salt (`SaltTrust`); raises APIError
