@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvserve.kvcache import KVCacheManager
-from kvserve.runtime.tp_faults import HOOKS_FLAG
+from kvserve.runtime.tp.faults import HOOKS_FLAG
 
 FAULT_VAR = "KVSERVE_KV_FAULT"
 

@@ -56,8 +56,8 @@ from kvserve.runtime.memory_budget import (
 from kvserve.runtime.model_setup import DTYPES, load_rank_model, rank_device
 from kvserve.runtime.outputs import CompletionOutput, RequestOutput
 from kvserve.runtime.step_tokens import StepTokenCounts, StepTokens
-from kvserve.runtime.tp_executor import TensorParallelExecutor
-from kvserve.runtime.tp_launch import RankGroup, Rendezvous
+from kvserve.runtime.tp.executor import TensorParallelExecutor
+from kvserve.runtime.tp.launch import RankGroup, Rendezvous
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from kvserve.server.debug import kv_report
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.event_waiters import EventWaiters, wait_for_event
 from kvserve.server.formatting import CompletionFormatter
-from kvserve.server.kv_prefill import PrefillRequest, PrefillService
-from kvserve.server.kv_publisher import ZmqKVEventPublisher
-from kvserve.server.kv_pull import KVPuller
+from kvserve.server.kv.prefill import PrefillRequest, PrefillService
+from kvserve.server.kv.publisher import ZmqKVEventPublisher
+from kvserve.server.kv.pull import KVPuller
 from kvserve.server.limits import BodySizeLimit, EchoRequestId
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -36,9 +36,9 @@ from kvserve.server.serving import (
 )
 from kvserve.server.settings import ServerSettings, WorkerRole
 from kvserve.server.structured import structured_output
-from kvserve.server.tool_calls import plan_tools
+from kvserve.server.tools.calls import plan_tools
 from kvserve.server.trust import SaltTrust
-from kvserve.server.vllm_routes import add_vllm_routes, model_card
+from kvserve.server.vllm.routes import add_vllm_routes, model_card
 
 PREFILL_URL_HEADER = "x-kvserve-prefill-url"
 ADMIN_KEY_HEADER = "x-kvserve-admin-key"
@@ -147,7 +147,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
 
     @app.post("/kv/prefill", dependencies=[Depends(require_admin_key)])
     async def kv_prefill(body: PrefillRequest, raw: Request) -> Response:
-        """A prompt's KV as frames (kvserve.server.kv_prefill), on a prefill worker."""
+        """A prompt's KV as frames (kvserve.server.kv.prefill), on a prefill worker."""
         if prefill is None:
             raise APIError(404, f"this worker is --role {role.value}; /kv/prefill is served by "
                            "--role prefill workers", err_type="not_found_error")

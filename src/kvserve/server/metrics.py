@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from kvserve.kvcache import FreeReason, HostTierStats
 from kvserve.runtime import AsyncEngine, RequestOutput
 from kvserve.server.collective_metrics import CollectiveCollector
-from kvserve.server.vllm_metrics import VLLMEngineFamilies, VLLMRequestMetrics
+from kvserve.server.vllm.metrics import VLLMEngineFamilies, VLLMRequestMetrics
 
 MAX_TENANT_LABELS = 32  # bounded label cardinality; later tenants share "other"
 

@@ -25,7 +25,7 @@ from kvserve.client_timeout import BadTimeout, client_timeout_s
 from kvserve.engine import FinishReason, SamplingParams
 from kvserve.runtime import AsyncEngine, RequestOutput
 from kvserve.server.errors import APIError
-from kvserve.server.kv_pull import KVPuller, KVTransferFailed
+from kvserve.server.kv.pull import KVPuller, KVTransferFailed
 from kvserve.server.metrics import ServerMetrics, tenant_label
 from kvserve.server.settings import ServerSettings
 from kvserve.server.trust import SaltTrust

@@ -25,8 +25,8 @@ from kvserve.runtime.kv_transfer import (
     import_blocks,
     open_import,
 )
-from kvserve.server.kv_frames import ChecksumMismatch, FrameDecoder, FrameError, FrameKind
-from kvserve.server.kv_prefill import LAYOUT_HEADER
+from kvserve.server.kv.frames import ChecksumMismatch, FrameDecoder, FrameError, FrameKind
+from kvserve.server.kv.prefill import LAYOUT_HEADER
 from kvserve.server.metrics import TransferMetrics
 
 

@@ -26,7 +26,7 @@ from kvserve.runtime.kv_transfer import (
     prompt_block_hashes,
 )
 from kvserve.server.errors import APIError
-from kvserve.server.kv_frames import encode_block, encode_end
+from kvserve.server.kv.frames import encode_block, encode_end
 from kvserve.server.metrics import TransferMetrics
 
 LAYOUT_HEADER = "x-kvserve-kv-layout"
