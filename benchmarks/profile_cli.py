@@ -72,7 +72,7 @@ class _Timer:
         self.args = EngineArgs(model=model, enable_prefix_caching=False, num_threads=threads,
                                max_num_batched_tokens=max_batched, max_num_seqs=max_seqs)
         self.engine = LLMEngine.from_args(self.args)
-        self.vocab = self.engine.core.executor.model.config.vocab_size  # type: ignore[attr-defined]
+        self.vocab = self.engine.info.vocab_size
         self.rng = random.Random(0)
         self.next_id = 0
 

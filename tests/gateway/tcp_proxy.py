@@ -13,7 +13,7 @@ import asyncio
 import threading
 from dataclasses import dataclass
 
-from kvserve.server.kv_frames import HEADER_BYTES, MAGIC
+from kvserve.server.kv.frames import HEADER_BYTES, MAGIC
 from tests.gateway.processes import free_port
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvserve.engine import FinishReason, SamplingParams
 from kvserve.runtime.kv_faults import KVFault
-from kvserve.runtime.tp_faults import Fault, FaultKind
+from kvserve.runtime.tp.faults import Fault, FaultKind
 from tests.runtime.conftest import (
     assert_no_blocks_held,
     make_engine,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.server.kv_frames import (
+from kvserve.server.kv.frames import (
     HEADER_BYTES,
     ChecksumMismatch,
     FrameDecoder,

@@ -19,7 +19,7 @@ from kvserve.kvevents.wire import (
     decode_seq,
 )
 from kvserve.runtime.kv_event_log import KVEventLog
-from kvserve.server.kv_publisher import ZmqKVEventPublisher
+from kvserve.server.kv.publisher import ZmqKVEventPublisher
 from tests.server.harness import free_port
 
 H = [bytes([i]) * 32 for i in range(4)]

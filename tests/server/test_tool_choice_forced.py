@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from kvserve.model import write_random_checkpoint
-from kvserve.server.tool_calls import MAX_PARALLEL_CALLS
+from kvserve.server.tools.calls import MAX_PARALLEL_CALLS
 from tests.data.vllm_responses.structured_requests import ADD, WEATHER, shape_model
 from tests.server.harness import ServerProcess
 

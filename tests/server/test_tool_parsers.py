@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from kvserve.server.tool_calls import ToolPlan, plan_tools
-from kvserve.server.tool_flags import ToolSettings
-from kvserve.server.tool_parsers import (
+from kvserve.server.tools.calls import ToolPlan, plan_tools
+from kvserve.server.tools.flags import ToolSettings
+from kvserve.server.tools.parsers import (
     PARSERS,
     CallDelta,
     HermesParser,

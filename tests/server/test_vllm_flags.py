@@ -12,7 +12,7 @@ import pytest
 from kvserve.cli import build_parser
 from kvserve.runtime import EngineArgs
 from kvserve.server.command import engine_args_from
-from kvserve.server.vllm_flags import resolve_model
+from kvserve.server.vllm.flags import resolve_model
 
 
 def parse(*argv: str):  # type: ignore[no-untyped-def]

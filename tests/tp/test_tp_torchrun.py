@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvserve.runtime import EngineArgs, LLMEngine
-from kvserve.runtime.tp_launch import Rendezvous
+from kvserve.runtime.tp.launch import Rendezvous
 from tests.ops.processes import Server, free_port
 from tests.runtime.conftest import random_prompt
 from tests.tp.parity import complete, hf_tokens, openai_client, same

@@ -2,11 +2,22 @@
 Python (imports kvserve.kvcache only; no torch, numpy or HTTP)."""
 
 from kvserve.engine.config import PreemptionMode, SchedulerConfig
-from kvserve.engine.core import EngineCore, ModelExecutor, RequestDelta, SampledToken
+from kvserve.engine.core import (
+    EngineCore,
+    ModelExecutor,
+    PlannedStep,
+    RequestDelta,
+    SampledToken,
+)
 from kvserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from kvserve.engine.request import FinishReason, Request, RequestStatus, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from kvserve.engine.scheduler import (
+    ScheduledRequest,
+    Scheduler,
+    SchedulerCounts,
+    SchedulerOutput,
+)
 from kvserve.engine.structured import (
     GuidedDecodingParams,
     StructuredKind,
@@ -20,6 +31,7 @@ __all__ = [
     "GuidedDecodingParams",
     "IncrementalDetokenizer",
     "ModelExecutor",
+    "PlannedStep",
     "PreemptionMode",
     "Request",
     "RequestDelta",
@@ -29,6 +41,7 @@ __all__ = [
     "ScheduledRequest",
     "Scheduler",
     "SchedulerConfig",
+    "SchedulerCounts",
     "SchedulerOutput",
     "StructuredKind",
     "StructuredOutput",

@@ -1,8 +1,9 @@
 """EngineCore: one step = schedule → execute the model → apply the sampled tokens.
 
 Pure Python: the model is behind the `ModelExecutor` protocol (the runtime plugs the torch runner
-in; tests can plug in a deterministic toy model). Not thread-safe: the runtime's step loop owns it
-and applies cross-thread aborts between steps.
+in; tests plug in a deterministic toy model; the fleet simulator a virtual-clock executor, and
+it calls the step's three parts itself, so that simulated time passes while the model runs).
+Not thread-safe: the runtime's step loop owns it and applies cross-thread aborts between steps.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvserve.engine.config import SchedulerConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from kvserve.engine.request import FinishReason, Request, TokenLogprob
-from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.scheduler import Scheduler, SchedulerCounts, SchedulerOutput
 from kvserve.kvcache import AuditReport
 
 
@@ -61,6 +63,15 @@ class RequestDelta:
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
+@dataclass(slots=True)
+class PlannedStep:
+    """A step scheduled and not yet applied: the scheduler's output, and the final deltas of
+    the requests that ended before it (aborts between steps, timeouts, corruption)."""
+
+    output: SchedulerOutput
+    ended: list[RequestDelta]
+
+
 class EngineCore:
     """Owns the scheduler and each request's detokenizer; turns model output into deltas."""
 
@@ -92,6 +103,10 @@ class EngineCore:
                 params.include_stop_str_in_output, params.skip_special_tokens,
             )
 
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError for a request `add_request` would refuse (changes nothing)."""
+        self.scheduler.check_request(request)
+
     def abort(self, request_ids: Iterable[str]) -> None:
         """End requests now; their final deltas come out of the next `step`."""
         for request in self.scheduler.abort(request_ids):
@@ -103,18 +118,39 @@ class EngineCore:
 
     def step(self) -> list[RequestDelta]:
         """Run one step; returns the deltas of every request that produced or ended."""
+        planned = self.plan_step()
+        return self.apply_step(planned, self.execute(planned))
+
+    def plan_step(self) -> PlannedStep:
+        """The first third of `step`: schedule (its slots allocated) and collect the requests
+        that ended since the last step. Every planned step must be executed and applied, in
+        order, before the next one is planned."""
         deltas = list(self._pending.values())
         self._pending.clear()
         out = self.scheduler.schedule(self.clock())
         for request in out.finished:
             deltas.append(self._final_delta(request, (), (), ""))
+        return PlannedStep(out, deltas)
+
+    def execute(self, planned: PlannedStep) -> dict[str, SampledToken]:
+        """The second third: run the model on the planned step (nothing when it is empty). A
+        model failure ends the requests it left without KV, and is raised."""
+        out = planned.output
+        if out.is_empty and not out.kv_transfers:
+            return {}
+        try:
+            return self.executor.execute(out)
+        except BaseException as exc:
+            for request in self.scheduler.abandon_step(out, f"the model step failed: {exc!r}"):
+                self._pending[request.request_id] = self._final_delta(request, (), (), "")
+            raise
+
+    def apply_step(self, planned: PlannedStep,
+                   sampled: dict[str, SampledToken]) -> list[RequestDelta]:
+        """The last third: commit the step's KV, append the sampled tokens, stop what is done,
+        run the due integrity check. A simulator lets virtual time pass before calling it."""
+        out, deltas = planned.output, planned.ended
         if not out.is_empty or out.kv_transfers:
-            try:
-                sampled = self.executor.execute(out)
-            except BaseException as exc:
-                for request in self.scheduler.abandon_step(out, f"the model step failed: {exc!r}"):
-                    self._pending[request.request_id] = self._final_delta(request, (), (), "")
-                raise
             if any(item.request.sampling_params.prompt_logprobs is not None
                    and item.start < item.request.num_prompt_tokens for item in out.scheduled):
                 self._store_prompt_logprobs(self.executor.take_prompt_logprobs())
@@ -124,6 +160,37 @@ class EngineCore:
         self._release_finished(deltas)
         self._check_integrity()
         return deltas
+
+    def fail_all(self, error: str) -> None:
+        """End every live request with `error`, freeing its blocks, without running a step
+        (the model can no longer run)."""
+        scheduler = self.scheduler
+        for request in [*scheduler.running, *scheduler.waiting]:
+            scheduler.finish(request, FinishReason.ERROR, error=error)
+
+    # -- views ----------------------------------------------------------------------------
+
+    @property
+    def config(self) -> SchedulerConfig:
+        return self.scheduler.config
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.scheduler.max_seq_len
+
+    @property
+    def running_request_ids(self) -> list[str]:
+        """Running requests, oldest admitted first."""
+        return [request.request_id for request in self.scheduler.running]
+
+    @property
+    def live_request_ids(self) -> set[str]:
+        """Every request the engine holds (waiting or running): the audit's view of who may
+        hold blocks."""
+        return self.scheduler.live_request_ids
+
+    def counts(self) -> SchedulerCounts:
+        return self.scheduler.counts()
 
     def _store_prompt_logprobs(self, found: dict[str, list[tuple[int, TokenLogprob]]]) -> None:
         for request_id, entries in found.items():
@@ -172,9 +239,7 @@ class EngineCore:
             if last in params.stop_token_ids:
                 request.stop_reason = last
                 return FinishReason.STOP
-        if params.max_tokens is not None and num_out >= params.max_tokens:
-            return FinishReason.LENGTH
-        if request.num_tokens >= self.scheduler.max_seq_len:
+        if request.num_output_tokens_left(self.scheduler.max_seq_len) <= 0:
             return FinishReason.LENGTH
         return None
 

@@ -18,7 +18,7 @@ WINDOW = 6  # tokens of context kept before the new ones, so merges across token
 class TokenDecoder(Protocol):
     """The one thing the engine needs of a tokenizer."""
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
 
 
 class IncrementalDetokenizer:

@@ -110,6 +110,15 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def num_output_tokens_left(self, max_seq_len: int) -> int:
+        """Tokens it may still generate before LENGTH ends it: `max_tokens` or the longest
+        sequence that can run (<= 0: it is over)."""
+        left = max_seq_len - self.num_tokens
+        max_tokens = self.sampling_params.max_tokens
+        if max_tokens is not None:
+            left = min(left, max_tokens - len(self.output_token_ids))
+        return left
+
     @property
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens

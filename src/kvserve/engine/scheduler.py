@@ -64,6 +64,19 @@ class ScheduledRequest:
         return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
 
 
+@dataclass(frozen=True, slots=True)
+class SchedulerCounts:
+    """The scheduler's queues and running totals at one moment: a value, safe to hand to
+    another thread (metrics, /debug, the simulator's scrapes)."""
+
+    num_running: int
+    num_waiting: int
+    num_waiting_deferred: int  # of the waiting, those the last step left to hit blocks in flight
+    num_preemptions: int
+    num_swap_preemptions: int
+    num_scheduled_tokens: int  # tokens whose KV the steps computed (recomputes too)
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """What one step computes, plus the requests that ended while scheduling it.
@@ -111,6 +124,12 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request. A prompt that can never run is refused here, never left to hang."""
+        self.check_request(request)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError (saying how to fix it) for a request `add_request` would refuse."""
         limit = self.max_seq_len
         if request.num_prompt_tokens >= limit:
             raise ValueError(
@@ -120,8 +139,6 @@ class Scheduler:
             )
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
 
     @property
     def max_seq_len(self) -> int:
@@ -137,6 +154,11 @@ class Scheduler:
     @property
     def live_request_ids(self) -> set[str]:
         return set(self.requests)
+
+    def counts(self) -> SchedulerCounts:
+        return SchedulerCounts(len(self.running), len(self.waiting), self.num_deferred,
+                               self.num_preemptions, self.num_swap_preemptions,
+                               self.num_scheduled_tokens)
 
     # -- one step -------------------------------------------------------------------------
 

@@ -8,10 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from kvserve.kvcache.block import KVBlock
 from kvserve.kvcache.errors import CacheCorruption
 from kvserve.kvcache.hashing import ROOT_HASH, TOKEN_WIDTH, chain_hashes, encode_tokens
+
+_BLOCK_ID = attrgetter("block_id")
+_EPOCH = attrgetter("epoch")
+_REF_CNT = attrgetter("ref_cnt")
 
 
 @dataclass(slots=True)
@@ -43,12 +48,18 @@ class RequestRecord:
 
     @property
     def block_ids(self) -> list[int]:
-        return [block.block_id for block in self.block_table]
+        return list(map(_BLOCK_ID, self.block_table))
 
     def find_corruption(self, checksums: Mapping[int, int] | None = None) -> CacheCorruption | None:
         """The first block of the table reassigned (epoch changed) or released (refcount 0)
         under this request, or, with `checksums`, holding content other than the checksum
         recorded when it was written; None when every block is still its own. Read-only."""
+        # Invariant: the common case (nothing wrong, no checksums) is decided by two C-level
+        # passes over the table; the loop below only names the culprit.
+        table = self.block_table
+        if (checksums is None and list(map(_EPOCH, table)) == self.block_epochs
+                and (not table or min(map(_REF_CNT, table)) > 0)):
+            return None
         for block, epoch in zip(self.block_table, self.block_epochs, strict=True):
             detail = None
             if block.epoch != epoch:
@@ -66,6 +77,10 @@ class RequestRecord:
                 return CacheCorruption(self.request_id, block.block_id, epoch, block.epoch,
                                        detail)
         return None
+
+    def num_blocks_needed(self, num_tokens: int, block_size: int) -> int:
+        """New blocks the table needs to hold `num_tokens` tokens (0 when it holds them)."""
+        return max(-(-num_tokens // block_size) - len(self.block_table), 0)
 
     def extend_hashes(self, num_full_blocks: int, block_size: int) -> None:
         """Extend the chained block hashes (and token bytes) to cover `num_full_blocks`."""

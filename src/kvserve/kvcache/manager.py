@@ -12,7 +12,7 @@ With a host tier (and a disk tier under it), each step's copies: `take_transfers
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
 from kvserve.kvcache.audit import AuditReport, run_audit
@@ -149,8 +149,8 @@ class KVCacheManager:
                 f"request {request_id!r}: cannot allocate {num_new_tokens} new tokens after "
                 f"{num_computed} computed; it has only {len(record.token_ids)} tokens"
             )
-        num_needed = -(-num_tokens // self.block_size) - len(record.block_table) - len(hit_blocks)
-        num_needed = max(num_needed, 0)
+        num_needed = max(record.num_blocks_needed(num_tokens, self.block_size) - len(hit_blocks),
+                         0)
         num_reclaimed_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
         if num_needed + num_reclaimed_hits > self.pool.num_free_blocks:
             return None
@@ -303,6 +303,13 @@ class KVCacheManager:
         return [r.request_id for r in reaped]
 
     # -- views ----------------------------------------------------------------------------
+    def num_blocks_to_grow(self, request_ids: Iterable[str], num_more_tokens: int) -> int:
+        """New blocks these requests' tables need to hold their tokens plus `num_more_tokens`
+        more each: what that many further one-token steps allocate (read-only)."""
+        return sum(record.num_blocks_needed(len(record.token_ids) + num_more_tokens,
+                                            self.block_size)
+                   for record in map(self._record, request_ids))
+
     def block_table(self, request_id: str) -> list[int]:
         return self._record(request_id).block_ids
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvserve.engine import SamplingParams
+from kvserve.runtime.engine_info import EngineInfo
 from kvserve.runtime.llm_engine import EngineStats, LLMEngine
 from kvserve.runtime.outputs import RequestOutput
 
@@ -39,6 +40,11 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
+        # What the server reads about the engine: fixed at load, or thread-safe.
+        self.info: EngineInfo = engine.info
+        self.tokenizer = engine.tokenizer
+        self.kv_events = engine.kv_events  # the cache's events (/kv/events, ZMQ)
+        self.collective_stats = engine.collective_stats  # tensor parallelism only (locked)
         self._idle_wait_s = idle_wait_s
         self._lock = threading.Lock()
         self._wakeup = threading.Event()

@@ -45,7 +45,7 @@ class EngineArgs:
     `reuse_host_memory`: on CPU, make the C library keep freed memory for reuse instead of
     unmapping it (process-wide; see runtime/host_memory.py); False leaves the allocator alone.
     `tensor_parallel_size` > 1 splits the model's heads and MLP over that many ranks, one
-    process each (kvserve.model.tensor_parallel, kvserve.runtime.tp_launch); the host and disk
+    process each (kvserve.model.tensor_parallel, kvserve.runtime.tp.launch); the host and disk
     tiers are single-rank only. `collective_timeout_s`: a collective that does not finish in
     that many seconds fails the step and the worker instead of hanging.
     """

@@ -11,11 +11,11 @@ be made to corrupt its own cache.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvserve.engine import Scheduler
 from kvserve.kvcache import KVCacheManager
-from kvserve.runtime.tp_faults import HOOKS_FLAG
+from kvserve.runtime.tp.faults import HOOKS_FLAG
 
 FAULT_VAR = "KVSERVE_KV_FAULT"
 
@@ -39,12 +39,14 @@ class KVFault:
                              "<step> >= 1")
         return cls(int(step))
 
-    def before_step(self, scheduler: Scheduler, kv_cache: KVCacheManager) -> int | None:
-        """Plant the fault if this is its step; the block id reassigned, if any."""
+    def before_step(self, running_request_ids: Sequence[str],
+                    kv_cache: KVCacheManager) -> int | None:
+        """Plant the fault if this is its step; the block id reassigned, if any.
+        `running_request_ids`: the running batch, oldest first."""
         if self.done:
             return None
-        holders = [r.request_id for r in scheduler.running
-                   if kv_cache.has_request(r.request_id) and kv_cache.block_table(r.request_id)]
+        holders = [r for r in running_request_ids
+                   if kv_cache.has_request(r) and kv_cache.block_table(r)]
         if not holders:
             return None
         self.num_steps_seen += 1

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvserve.kvcache import ImportPlan, KVImports, SlotGrant, cached_block_ids, prompt_record
-from kvserve.model.kv_export import block_payload_bytes, kv_layout, read_blocks, write_host_slots
+from kvserve.model.kv_export import read_blocks, write_host_slots
+from kvserve.runtime.engine_info import EngineInfo
 from kvserve.runtime.llm_engine import LLMEngine
 
 
@@ -37,20 +38,11 @@ class ImportStart:
     plan: ImportPlan
 
 
-def local_layout(engine: LLMEngine) -> str:
-    """This worker's KV payload layout (see kvserve.model.kv_export.kv_layout)."""
-    return kv_layout(engine.runner.kv_caches)
-
-
-def payload_bytes(engine: LLMEngine) -> int:
-    return block_payload_bytes(engine.runner.kv_caches)
-
-
-def prompt_block_hashes(engine: LLMEngine, token_ids: Sequence[int], cache_salt: str | None,
+def prompt_block_hashes(info: EngineInfo, token_ids: Sequence[int], cache_salt: str | None,
                         stop: int) -> list[bytes]:
-    """The chained hashes of the prompt's first `stop` full blocks, as this worker keys them."""
-    kv = engine.kv_cache
-    return prompt_record("", token_ids, cache_salt, kv.model_id, kv.block_size,
+    """The chained hashes of the prompt's first `stop` full blocks, as this worker keys them
+    (the served model name is the cache's model id)."""
+    return prompt_record("", token_ids, cache_salt, info.model_name, info.limits.block_size,
                          stop).block_hashes[:stop]
 
 

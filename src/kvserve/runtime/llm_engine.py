@@ -19,7 +19,6 @@ import torch
 from kvserve.chat_template import template_argument
 from kvserve.engine import (
     EngineCore,
-    FinishReason,
     PreemptionMode,
     Request,
     RequestDelta,
@@ -39,11 +38,13 @@ from kvserve.model import (
     resolve_tokenizer_path,
 )
 from kvserve.model.grammar import GrammarMasks, Grammars
+from kvserve.model.kv_export import block_payload_bytes, kv_layout
 from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
 from kvserve.model.tensor_parallel import ShardSpec, check_shardable
 from kvserve.runtime.collective_stats import CollectiveStats
 from kvserve.runtime.engine_args import EngineArgs, kv_cache_dtype_name
+from kvserve.runtime.engine_info import EngineInfo, EngineLimits
 from kvserve.runtime.host_memory import reuse_freed_host_memory
 from kvserve.runtime.kv_event_log import KVEventLog
 from kvserve.runtime.kv_faults import FAULT_VAR as KV_FAULT_VAR
@@ -55,8 +56,8 @@ from kvserve.runtime.memory_budget import (
 from kvserve.runtime.model_setup import DTYPES, load_rank_model, rank_device
 from kvserve.runtime.outputs import CompletionOutput, RequestOutput
 from kvserve.runtime.step_tokens import StepTokenCounts, StepTokens
-from kvserve.runtime.tp_executor import TensorParallelExecutor
-from kvserve.runtime.tp_launch import RankGroup, Rendezvous
+from kvserve.runtime.tp.executor import TensorParallelExecutor
+from kvserve.runtime.tp.launch import RankGroup, Rendezvous
 
 log = logging.getLogger(__name__)
 
@@ -79,35 +80,47 @@ class LLMEngine:
 
     def __init__(
         self,
-        args: EngineArgs,
+        info: EngineInfo,
         tokenizer: Tokenizer,
-        core: EngineCore,
-        kv_cache: KVCacheManager,
-        model_name: str,
-        max_model_len: int,
+        scheduler: Scheduler,
+        executor: ModelRunner | TensorParallelExecutor,
         eos_token_ids: frozenset[int],
+        *,
+        grammars: Grammars | None = None,
+        collective_stats: CollectiveStats | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.args = args
+        self.info = info
+        self.args = info.args
         self.tokenizer = tokenizer
-        self.core = core
-        self.kv_cache = kv_cache
-        self.model_name = model_name
-        self.max_model_len = max_model_len
+        self.kv_cache = scheduler.kv_cache
+        self.executor = executor  # the model side of the core; close/check_ranks/runner
         self.eos_token_ids = eos_token_ids
         self.clock = clock
+        self.grammars = grammars  # compiles structured-output constraints
+        self.collective_stats = collective_stats  # tensor parallelism only
         self.last_audit: AuditReport | None = None
-        self.model_path: Path | None = None  # the checkpoint directory, once loaded
-        self.grammars: Grammars | None = None  # compiles structured-output constraints
+        self.core = EngineCore(scheduler, executor, tokenizer, clock, on_audit=self._record_audit)
         self.kv_events = KVEventLog()  # the cache's events, drained each step (/kv/events, ZMQ)
         self.step_tokens = StepTokens()  # tokens computed per step that computed any
         self._outputs: dict[str, RequestOutput] = {}  # live requests by id
         self._child_of: dict[str, tuple[str, int]] = {}  # engine request id -> (id, index)
         # Called on the engine thread as a request's final output leaves `step`, before the
         # next step can reuse its freed blocks (a prefill worker copies the KV out then).
-        self._on_finish: dict[str, Callable[[RequestOutput], None]] = {}
-        self.collective_stats: CollectiveStats | None = None  # tensor parallelism only
+        self._on_finish: dict[str, Callable[[LLMEngine, RequestOutput], None]] = {}
         self.kv_fault = KVFault.from_env()  # None unless a test plants one (KVSERVE_TEST_HOOKS)
+
+    @property
+    def model_name(self) -> str:
+        return self.info.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.limits.max_model_len
+
+    @property
+    def model_path(self) -> Path | None:
+        return self.info.model_path
 
     @classmethod
     def from_args(cls, args: EngineArgs, rendezvous: Rendezvous | None = None) -> LLMEngine:
@@ -191,35 +204,31 @@ class LLMEngine:
                                               max_model_len, args.audit_interval_steps,
                                               args.idle_audit_interval_s,
                                               PreemptionMode(args.preemption_mode)), kv_cache)
-        engine = cls(args, tokenizer, core=None, kv_cache=kv_cache,  # type: ignore[arg-type]
-                     model_name=name, max_model_len=max_model_len, eos_token_ids=eos)
-        engine.model_path = Path(loaded.path)
-        engine.collective_stats = collective_stats
-        engine.grammars = grammars
-        engine.core = EngineCore(scheduler, executor, tokenizer, engine.clock,
-                                 on_audit=engine._record_audit)
+        limits = EngineLimits(max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
+                              args.block_size, num_blocks)
+        info = EngineInfo(name, Path(loaded.path), config.vocab_size, limits,
+                          kv_layout(kv_caches), block_payload_bytes(kv_caches), args)
+        engine = cls(info, tokenizer, scheduler, executor, eos, grammars=grammars,
+                     collective_stats=collective_stats)
         if isinstance(executor, TensorParallelExecutor):
             weakref.finalize(engine, executor.close)  # the other ranks never outlive rank 0
         return engine
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks, if any (idempotent; a no-op on one rank)."""
-        executor = self.core.executor
-        if isinstance(executor, TensorParallelExecutor):
-            executor.close()
+        if isinstance(self.executor, TensorParallelExecutor):
+            self.executor.close()
 
     def check_ranks(self) -> None:
         """Raise CollectiveError (rank lost) if another tensor-parallel rank's process on this
         node has exited; a no-op on one rank."""
-        executor = self.core.executor
-        if isinstance(executor, TensorParallelExecutor):
-            executor.check_ranks()
+        if isinstance(self.executor, TensorParallelExecutor):
+            self.executor.check_ranks()
 
     def fail_all(self, error: str) -> None:
         """End every live request with `error`, freeing its blocks, without running a step
         (the model can no longer run: a failed tensor-parallel group, a dead step loop)."""
-        for request in [*self.core.scheduler.running, *self.core.scheduler.waiting]:
-            self.core.scheduler.finish(request, FinishReason.ERROR, error=error)
+        self.core.fail_all(error)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -234,13 +243,13 @@ class LLMEngine:
         first_token_deadline: float | None = None,
         arrival_time: float | None = None,
         kv_import: bool = False,
-        on_finish: Callable[[RequestOutput], None] | None = None,
+        on_finish: Callable[[LLMEngine, RequestOutput], None] | None = None,
         max_tokens_within_context: bool = False,
     ) -> None:
         """Queue a request. Raises ValueError (nothing queued) for an empty or too-long prompt,
         token ids outside the vocabulary, or a request id already in use. `kv_import`: the
         request takes over the open KV import of the same id (kvserve.kvcache.imports; n = 1
-        only). `on_finish(output)` runs on the engine thread with the final output. A
+        only). `on_finish(engine, output)` runs on the engine thread with the final output. A
         `params.structured` constraint that does not compile is a ValueError naming why.
         `deadline` / `first_token_deadline` (engine clock): the request ends with TIMEOUT when
         it is not done / has no output token by then. `max_tokens_within_context`: refuse (as
@@ -306,7 +315,7 @@ class LLMEngine:
             token_ids = self.tokenizer.encode(prompt)
         else:
             token_ids = list(prompt)
-            vocab = self.core.executor.model.config.vocab_size  # type: ignore[attr-defined]
+            vocab = self.info.vocab_size
             bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"token ids must be integers in [0, {vocab}); got {bad[:5]}")
@@ -334,16 +343,15 @@ class LLMEngine:
         for output in self._outputs.values():
             for completion in output.outputs:
                 completion.new_text, completion.new_token_ids, completion.new_logprobs = "", (), ()
-        scheduled_before = self.core.scheduler.num_scheduled_tokens
-        if self.kv_fault is not None and (
-                block := self.kv_fault.before_step(self.core.scheduler, self.kv_cache)) is not None:
+        scheduled_before = self.core.counts().num_scheduled_tokens
+        if self.kv_fault is not None and (block := self.kv_fault.before_step(
+                self.core.running_request_ids, self.kv_cache)) is not None:
             log.warning("test hook %s: reassigned KV block %d under a live request",
                         KV_FAULT_VAR, block)
         for delta in self.core.step():
-            output = self._apply(delta)
-            if output is not None:
-                touched[output.request_id] = output
-        if (num_tokens := self.core.scheduler.num_scheduled_tokens - scheduled_before) > 0:
+            if (touched_output := self._apply(delta)) is not None:
+                touched[touched_output.request_id] = touched_output
+        if (num_tokens := self.core.counts().num_scheduled_tokens - scheduled_before) > 0:
             self.step_tokens.observe(num_tokens)
         self.kv_events.extend(self.kv_cache.drain_events())
         for request_id, output in touched.items():
@@ -351,7 +359,7 @@ class LLMEngine:
                 output.finished_time = self.clock()
                 del self._outputs[request_id]
                 if (hook := self._on_finish.pop(request_id, None)) is not None:
-                    hook(output)
+                    hook(self, output)
         return list(touched.values())
 
     def _apply(self, delta: RequestDelta) -> RequestOutput | None:
@@ -388,17 +396,20 @@ class LLMEngine:
     def runner(self) -> ModelRunner:
         """The model runner (its device and host KV tensors; rank 0's under tensor
         parallelism)."""
-        runner = self.core.executor
-        if isinstance(runner, TensorParallelExecutor):
-            return runner.runner
-        assert isinstance(runner, ModelRunner), "an LLMEngine always runs a ModelRunner"
-        return runner
+        executor = self.executor
+        return executor.runner if isinstance(executor, TensorParallelExecutor) else executor
+
+    @property
+    def live_request_ids(self) -> set[str]:
+        """Requests the engine holds (waiting or running): the audit's view of who may hold
+        blocks."""
+        return self.core.live_request_ids
 
     def stats(self) -> EngineStats:
-        scheduler = self.core.scheduler
-        return EngineStats(len(scheduler.running), len(scheduler.waiting),
-                           scheduler.num_preemptions, self.kv_cache.stats(), self.last_audit,
-                           self.step_tokens.snapshot(), scheduler.num_deferred)
+        counts = self.core.counts()
+        return EngineStats(counts.num_running, counts.num_waiting, counts.num_preemptions,
+                           self.kv_cache.stats(), self.last_audit, self.step_tokens.snapshot(),
+                           counts.num_waiting_deferred)
 
     def _record_audit(self, report: AuditReport) -> None:
         self.last_audit = report

@@ -19,9 +19,9 @@ from kvserve.server.debug import kv_report
 from kvserve.server.errors import APIError, install_error_handlers
 from kvserve.server.event_waiters import EventWaiters, wait_for_event
 from kvserve.server.formatting import CompletionFormatter
-from kvserve.server.kv_prefill import PrefillRequest, PrefillService
-from kvserve.server.kv_publisher import ZmqKVEventPublisher
-from kvserve.server.kv_pull import KVPuller
+from kvserve.server.kv.prefill import PrefillRequest, PrefillService
+from kvserve.server.kv.publisher import ZmqKVEventPublisher
+from kvserve.server.kv.pull import KVPuller
 from kvserve.server.limits import BodySizeLimit, EchoRequestId
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -36,9 +36,9 @@ from kvserve.server.serving import (
 )
 from kvserve.server.settings import ServerSettings, WorkerRole
 from kvserve.server.structured import structured_output
-from kvserve.server.tool_calls import plan_tools
+from kvserve.server.tools.calls import plan_tools
 from kvserve.server.trust import SaltTrust
-from kvserve.server.vllm_routes import add_vllm_routes, model_card
+from kvserve.server.vllm.routes import add_vllm_routes, model_card
 from kvserve.wire.http import ADMIN_KEY_HEADER, PREFILL_URL_HEADER
 
 
@@ -65,8 +65,8 @@ MAX_EVENTS_WAIT_S = 30.0
 def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> FastAPI:
     """An app serving `engine` (started by the app's lifespan, drained on shutdown)."""
     settings = settings or ServerSettings()
-    model_name = engine.engine.model_name
-    tokenizer = engine.engine.tokenizer
+    model_name = engine.info.model_name
+    tokenizer = engine.tokenizer
     metrics = ServerMetrics(engine, model_name)
     role = settings.role
     admin_key = settings.admin_key  # never the API key: tenants hold that one
@@ -84,16 +84,16 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         waiters.append(EventWaiters(asyncio.get_running_loop()))
-        engine.engine.kv_events.set_listener(waiters[0].notify_threadsafe)
+        engine.kv_events.set_listener(waiters[0].notify_threadsafe)
         if publisher is not None:
-            engine.engine.kv_events.set_publisher(publisher.publish)
+            engine.kv_events.set_publisher(publisher.publish)
         if not engine.is_running and engine.error is None:
             engine.start()
         yield
-        engine.engine.kv_events.set_listener(None)
+        engine.kv_events.set_listener(None)
         engine.shutdown(drain_timeout_s=settings.drain_timeout_s)
         if publisher is not None:
-            engine.engine.kv_events.set_publisher(None)
+            engine.kv_events.set_publisher(None)
             publisher.close()
         if puller is not None:
             await puller.close()
@@ -116,7 +116,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
                            "--admin-key (or KVSERVE_ADMIN_KEY)", err_type="not_found_error")
         _check_key(request, admin_key, "admin key")
 
-    add_vllm_routes(app, tokenizer, model_name, engine.engine.max_model_len, require_api_key)
+    add_vllm_routes(app, tokenizer, model_name, engine.info.limits.max_model_len, require_api_key)
 
     def pull_source(raw: Request) -> str | None:
         """The prefill worker the gateway named for this request, or None. Honoured only on a
@@ -145,7 +145,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
 
     @app.post("/kv/prefill", dependencies=[Depends(require_admin_key)])
     async def kv_prefill(body: PrefillRequest, raw: Request) -> Response:
-        """A prompt's KV as frames (kvserve.server.kv_prefill), on a prefill worker."""
+        """A prompt's KV as frames (kvserve.server.kv.prefill), on a prefill worker."""
         if prefill is None:
             raise APIError(404, f"this worker is --role {role.value}; /kv/prefill is served by "
                            "--role prefill workers", err_type="not_found_error")
@@ -159,8 +159,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     @app.get("/v1/models", dependencies=[Depends(require_api_key)])
     async def models() -> dict[str, object]:
         return {"object": "list", "data": [model_card(
-            model_name, str(engine.engine.model_path or model_name), started,
-            engine.engine.max_model_len)]}
+            model_name, str(engine.info.model_path or model_name), started,
+            engine.info.limits.max_model_len)]}
 
     @app.get("/kv/events", dependencies=[Depends(require_admin_key)])
     async def kv_events(after: int = 0, limit: int = 4096, wait: float = 0.0) -> dict[str, object]:
@@ -173,7 +173,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         if after < 0 or not 1 <= limit <= 65_536 or not 0.0 <= wait <= MAX_EVENTS_WAIT_S:
             raise APIError(400, "'after' must be >= 0, 'limit' in [1, 65536] and 'wait' in "
                            f"[0, {MAX_EVENTS_WAIT_S:g}] seconds")
-        log = engine.engine.kv_events
+        log = engine.kv_events
         if wait > 0 and waiters:
             appended = waiters[0].current()  # taken before the check: see event_waiters
             if log.last_seq <= after:

@@ -24,8 +24,8 @@ from kvserve.server.formatting import (
     prompt_logprobs,
     usage,
 )
-from kvserve.server.tool_calls import ToolPlan
-from kvserve.server.tool_parsers import ToolStream
+from kvserve.server.tools.calls import ToolPlan
+from kvserve.server.tools.parsers import ToolStream
 
 # Message fields of vLLM's that kvserve has no value for (no refusals, audio, reasoning).
 MESSAGE_NULLS = {"refusal": None, "annotations": None, "audio": None, "function_call": None,

@@ -27,14 +27,14 @@ Metric = CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily
 
 
 class CollectiveCollector(Collector):
-    """Reads `engine.engine.collective_stats` at scrape time (a locked snapshot)."""
+    """Reads `engine.collective_stats` at scrape time (a locked snapshot)."""
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.engine.collective_stats
+        stats = self.engine.collective_stats
         if stats is None:
             return
         snap = stats.snapshot()

@@ -18,8 +18,8 @@ from rich.markup import escape
 
 from kvserve.kvevents.config import KVEventsConfig
 from kvserve.server.settings import ServerSettings, UntrustedSalt, WorkerRole
-from kvserve.server.tool_flags import ToolSettings, add_tool_arguments, check_tool_arguments
-from kvserve.server.vllm_flags import (
+from kvserve.server.tools.flags import ToolSettings, add_tool_arguments, check_tool_arguments
+from kvserve.server.vllm.flags import (
     add_engine_vllm_arguments,
     add_server_vllm_arguments,
     resolve_model,
@@ -227,8 +227,8 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvserve.runtime import AsyncEngine, LLMEngine
-    from kvserve.runtime.tp_launch import Rendezvous, run_node
-    from kvserve.runtime.tp_worker import run_rank
+    from kvserve.runtime.tp.launch import Rendezvous, run_node
+    from kvserve.runtime.tp.worker import run_rank
     from kvserve.server.app import create_app
 
     console = Console(stderr=True)
@@ -330,7 +330,7 @@ FAILED_GROUP_GRACE_S = 5.0  # /health answers 503 this long before the worker ex
 
 
 def _group_failed(engine: AsyncEngine) -> bool:
-    from kvserve.runtime.tp_comm import TensorParallelError
+    from kvserve.runtime.tp.comm import TensorParallelError
 
     return isinstance(engine.error, TensorParallelError)
 

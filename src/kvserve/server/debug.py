@@ -14,7 +14,7 @@ MAX_LISTED = 50
 def kv_report(engine: LLMEngine) -> dict[str, Any]:
     """Runs on the engine thread: a full audit against the scheduler's live requests."""
     kv = engine.kv_cache
-    live = engine.core.scheduler.live_request_ids
+    live = engine.live_request_ids
     report = kv.audit(live_request_ids=live)
     stats = kv.stats()
     ledger = kv.ledger_summary()

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from kvserve.kvcache import FreeReason, HostTierStats
 from kvserve.runtime import AsyncEngine, RequestOutput
 from kvserve.server.collective_metrics import CollectiveCollector
-from kvserve.server.vllm_metrics import VLLMEngineFamilies, VLLMRequestMetrics
+from kvserve.server.vllm.metrics import VLLMEngineFamilies, VLLMRequestMetrics
 
 MAX_TENANT_LABELS = 32  # bounded label cardinality; later tenants share "other"
 
@@ -58,7 +58,7 @@ class EngineCollector(Collector):
         yield from self.vllm.collect()
         yield gauge("kvserve:max_num_seqs", "Requests the running batch holds at most "
                     "(--max-num-seqs): what a gateway keeps in flight here, plus headroom.",
-                    self.engine.engine.core.scheduler.config.max_num_seqs)
+                    self.engine.info.limits.max_num_seqs)
         yield gauge("kvserve:kv_free_blocks", "Free blocks (uncached + cached).",
                     kv.num_free_blocks)
         yield gauge("kvserve:kv_cached_free_blocks", "Free blocks still hit-able.",
@@ -196,7 +196,7 @@ class ServerMetrics:
         self.registry.register(CollectiveCollector(engine, model_name))
         label = ["model_name"]
         reg = self.registry
-        self.vllm = VLLMRequestMetrics(reg, model_name, engine.engine.max_model_len)
+        self.vllm = VLLMRequestMetrics(reg, model_name, engine.info.limits.max_model_len)
         self.rejected = Counter("kvserve:requests_rejected", "Requests refused, by cause.",
                                 ["model_name", "cause"], registry=reg)
         self.in_flight = Gauge("kvserve:requests_in_flight",

@@ -25,7 +25,7 @@ from kvserve.client_timeout import BadTimeout, client_timeout_s
 from kvserve.engine import FinishReason, SamplingParams
 from kvserve.runtime import AsyncEngine, RequestOutput
 from kvserve.server.errors import APIError
-from kvserve.server.kv_pull import KVPuller, KVTransferFailed
+from kvserve.server.kv.pull import KVPuller, KVTransferFailed
 from kvserve.server.metrics import ServerMetrics, tenant_label
 from kvserve.server.settings import ServerSettings
 from kvserve.server.trust import SaltTrust
@@ -104,8 +104,7 @@ class Serving:
         self.metrics = metrics
         self.settings = settings
         self.in_flight = 0
-        scheduler_config = engine.engine.core.scheduler.config
-        self.capacity = scheduler_config.max_num_seqs + settings.max_waiting_requests
+        self.capacity = engine.info.limits.max_num_seqs + settings.max_waiting_requests
 
     def begin(self, raw: Request, model: str | None, cache_salt: str | None) -> Call:
         """Check the model name, the engine and who may salt (`SaltTrust`); raises APIError

@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvserve.kvevents.config import KVEventsConfig
-from kvserve.server.tool_flags import ToolSettings
+from kvserve.server.tools.flags import ToolSettings
 
 
 class WorkerRole(enum.StrEnum):

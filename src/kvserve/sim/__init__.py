@@ -1,11 +1,12 @@
 """kvserve.sim — a discrete-event fleet simulator: clients → gateway policy → N workers.
 
-Each simulated worker holds a real `kvserve.kvcache.KVCacheManager` (hits, evictions and
-preemptions are exact) under a model of the engine's scheduling rules; the gateway is the real
-pure core (`kvserve.gateway.core`: pipeline and dispatch lifecycle) fed scraped, stale load
-signals; time comes from a cost model fitted to measurements (`profiles`). Imports only
-kvserve.kvcache, kvserve.workload and the gateway's pure core: never the engine, model, runtime
-or server.
+Each simulated worker runs the engine's own `EngineCore` and `Scheduler` over a real
+`kvserve.kvcache.KVCacheManager` (hits, evictions and preemptions are exact), with a simulated
+model executor that prices each step; the gateway is the real pure core
+(`kvserve.gateway.core`: pipeline and dispatch lifecycle) fed scraped, stale load signals; time
+comes from a cost model fitted to measurements (`profiles`). Imports only kvserve.engine,
+kvserve.kvcache, kvserve.workload and the gateway's pure core: never the model, runtime or
+server layers, nor torch.
 """
 
 from kvserve.sim.client import ClientConfig, Outcome

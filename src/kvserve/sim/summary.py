@@ -33,7 +33,7 @@ def summarise(sim: FleetSimulator, wall_s: float) -> SimResult:
             routed=sim.gateway.routed_by_worker[worker_id],
             utilization=c.busy_s / makespan,
             steps=c.num_steps,
-            preemptions=worker.scheduler.num_preemptions,
+            preemptions=worker.num_preemptions,
             computed_tokens=c.computed_tokens,
             wasted_tokens=c.wasted_tokens,
             hit_rate=stats.hit_rate,

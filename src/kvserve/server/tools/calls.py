@@ -18,9 +18,9 @@ from typing import Any
 
 from kvserve.engine import StructuredOutput
 from kvserve.server.errors import APIError
-from kvserve.server.tool_call_text import CallText
-from kvserve.server.tool_flags import ToolSettings
-from kvserve.server.tool_parsers import (
+from kvserve.server.tools.call_text import CallText
+from kvserve.server.tools.flags import ToolSettings
+from kvserve.server.tools.parsers import (
     PARSERS,
     CallDelta,
     Parsed,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from kvserve.server.tool_parsers import PARSERS
+from kvserve.server.tools.parsers import PARSERS
 
 
 def add_tool_arguments(p: argparse.ArgumentParser) -> None:

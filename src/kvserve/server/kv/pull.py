@@ -23,12 +23,10 @@ from kvserve.runtime.kv_transfer import (
     ImportStart,
     cancel_import,
     import_blocks,
-    local_layout,
     open_import,
-    payload_bytes,
 )
-from kvserve.server.kv_frames import ChecksumMismatch, FrameDecoder, FrameError, FrameKind
-from kvserve.server.kv_prefill import LAYOUT_HEADER
+from kvserve.server.kv.frames import ChecksumMismatch, FrameDecoder, FrameError, FrameKind
+from kvserve.server.kv.prefill import LAYOUT_HEADER
 from kvserve.server.metrics import TransferMetrics
 
 
@@ -45,8 +43,8 @@ class KVPuller:
         self.metrics = metrics
         self.admin_key = admin_key
         self.timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
-        self.layout = local_layout(engine.engine)
-        self.max_payload = payload_bytes(engine.engine)
+        self.layout = engine.info.kv_layout
+        self.max_payload = engine.info.kv_payload_bytes
         self._client: httpx.AsyncClient | None = None
 
     async def pull(self, import_id: str, prompt: str | Sequence[int], cache_salt: str | None,

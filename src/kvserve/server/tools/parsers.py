@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from kvserve.server.tool_call_text import CallText
+from kvserve.server.tools.call_text import CallText
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,15 +19,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, Field
 
 from kvserve.engine import FinishReason, SamplingParams
-from kvserve.runtime import AsyncEngine, RequestOutput
+from kvserve.runtime import AsyncEngine, LLMEngine, RequestOutput
 from kvserve.runtime.kv_transfer import (
     ExportedBlocks,
     export_prompt_blocks,
-    local_layout,
     prompt_block_hashes,
 )
 from kvserve.server.errors import APIError
-from kvserve.server.kv_frames import encode_block, encode_end
+from kvserve.server.kv.frames import encode_block, encode_end
 from kvserve.server.metrics import TransferMetrics
 
 LAYOUT_HEADER = "x-kvserve-kv-layout"
@@ -51,24 +50,24 @@ class PrefillService:
     def __init__(self, engine: AsyncEngine, metrics: TransferMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        self.layout = local_layout(engine.engine)
+        self.layout = engine.info.kv_layout
 
     async def respond(self, body: PrefillRequest, raw: Request) -> StreamingResponse:
         """Check the request, run the prefill, then stream the frames. Raises APIError (4xx)
         for a request this worker cannot serve, before anything is computed."""
-        llm = self.engine.engine
+        info = self.engine.info
         layout = raw.headers.get(LAYOUT_HEADER)
         if layout != self.layout:
             raise APIError(400, f"KV layout {layout!r} differs from this prefill worker's "
                            f"{self.layout!r}: run the same model, dtype and --block-size on "
                            "prefill and decode workers")
-        bs = llm.kv_cache.block_size
+        bs = info.limits.block_size
         stop = body.first_block + len(body.block_hashes)
         if stop > len(body.token_ids) // bs:
             raise APIError(400, f"blocks up to {stop} asked for, but the prompt of "
                            f"{len(body.token_ids)} tokens has {len(body.token_ids) // bs} full "
                            "blocks", param="block_hashes")
-        ours = prompt_block_hashes(llm, body.token_ids, body.cache_salt, stop)
+        ours = prompt_block_hashes(info, body.token_ids, body.cache_salt, stop)
         if [h.hex() for h in ours[body.first_block:]] != body.block_hashes:
             raise APIError(400, "the block hashes differ from this prefill worker's: serve the "
                            "same --served-model-name and --block-size on prefill and decode "
@@ -77,12 +76,12 @@ class PrefillService:
         return StreamingResponse(self._frames(exported), media_type=FRAME_MEDIA_TYPE)
 
     async def _prefill(self, body: PrefillRequest, raw: Request, stop: int) -> ExportedBlocks:
-        llm = self.engine.engine
         box: dict[str, ExportedBlocks | None] = {}
 
         errors: list[str] = []
 
-        def on_finish(output: RequestOutput) -> None:  # the engine thread, blocks still cached
+        # On the engine thread, the request's blocks still cached.
+        def on_finish(llm: LLMEngine, output: RequestOutput) -> None:
             if output.outputs[0].finish_reason not in (FinishReason.LENGTH, FinishReason.STOP):
                 return
             try:  # never let a failed copy take the engine loop down with it

@@ -2,7 +2,7 @@
 
 `kvserve serve --tensor-parallel-size N` (or `LLM(..., tensor_parallel_size=N)`) is rank 0: it
 opens the TCP store at MASTER_ADDR:MASTER_PORT (default 127.0.0.1 and a free port) and starts
-this node's other ranks as `python -m kvserve.runtime.tp_worker` with RANK, LOCAL_RANK,
+this node's other ranks as `python -m kvserve.runtime.tp.worker` with RANK, LOCAL_RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT set as torchrun sets them. With `--nnodes M`, node k > 0
 runs `kvserve serve ... --nnodes M --node-rank k` with the same MASTER_ADDR/MASTER_PORT: it
 starts its N/M ranks and waits for them (they exit with it).
@@ -33,15 +33,15 @@ from torch.distributed import TCPStore
 from kvserve.model.runner import ModelRunner
 from kvserve.runtime.collective_stats import CollectiveErrorKind, CollectiveStats
 from kvserve.runtime.engine_args import EngineArgs
-from kvserve.runtime.tp_comm import (
+from kvserve.runtime.tp.comm import (
     HEARTBEAT_INTERVAL_S,
     Communicator,
     HeartbeatReader,
     TensorParallelError,
     classify,
 )
-from kvserve.runtime.tp_executor import TensorParallelExecutor
-from kvserve.runtime.tp_group_check import publish_identity, refusal
+from kvserve.runtime.tp.executor import TensorParallelExecutor
+from kvserve.runtime.tp.group_check import publish_identity, refusal
 
 ARGS_VAR = "KVSERVE_ENGINE_ARGS"
 STARTUP_TIMEOUT_S = 300.0
@@ -105,7 +105,7 @@ def spawn_ranks(args: EngineArgs, rendezvous: Rendezvous,
                    LOCAL_RANK=str(rank - rendezvous.node_rank * rendezvous.ranks_per_node),
                    MASTER_ADDR=rendezvous.master_addr, MASTER_PORT=str(rendezvous.master_port))
         env[ARGS_VAR] = payload
-        procs[rank] = subprocess.Popen([sys.executable, "-m", "kvserve.runtime.tp_worker"],
+        procs[rank] = subprocess.Popen([sys.executable, "-m", "kvserve.runtime.tp.worker"],
                                        env=env, stdout=sys.stderr.fileno())
     return procs
 

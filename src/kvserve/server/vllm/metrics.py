@@ -106,9 +106,9 @@ class VLLMEngineFamilies:
     def _cache_config_info(self) -> GaugeMetricFamily:
         """vLLM's 37 CacheConfig labels: kvserve's values where it has the setting, vLLM's
         value for a model without it (no Mamba, no sliding window) otherwise."""
-        engine = self.engine.engine
+        info = self.engine.info
         kv = self.engine.stats.kv
-        args = engine.args
+        args = info.args
         tokens = kv.num_blocks * kv.block_size
         host_slots = str(kv.host.num_slots) if kv.host else "None"
         labels = {
@@ -120,7 +120,7 @@ class VLLMEngineFamilies:
             "gpu_memory_utilization": "None", "hash_block_size": "None",
             "is_attention_free": "False", "kv_cache_dtype_skip_layers": "[]",
             "kv_cache_layout": "None",
-            "kv_cache_max_concurrency": str(round(tokens / engine.max_model_len, 2)),
+            "kv_cache_max_concurrency": str(round(tokens / info.limits.max_model_len, 2)),
             "kv_cache_memory_bytes": str(args.kv_cache_memory_bytes),
             "kv_cache_size_tokens": str(tokens),
             "kv_offloading_backend": "native" if kv.host else "None",

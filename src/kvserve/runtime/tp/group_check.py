@@ -19,7 +19,7 @@ from torch.distributed import Store
 
 from kvserve.model import checkpoint_config_dict, resolve_model_path
 from kvserve.runtime.engine_args import EngineArgs
-from kvserve.runtime.tp_comm import TensorParallelError
+from kvserve.runtime.tp.comm import TensorParallelError
 
 IDENTITY_KEY = "kvserve/group"
 REFUSED_KEY = "kvserve/refused"

@@ -1,4 +1,4 @@
-"""A tensor-parallel rank other than 0: `python -m kvserve.runtime.tp_worker`.
+"""A tensor-parallel rank other than 0: `python -m kvserve.runtime.tp.worker`.
 
 Started by rank 0 (or torchrun, or `kvserve serve --node-rank k`) with RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT (and LOCAL_RANK) set and the engine arguments as JSON in
@@ -29,16 +29,16 @@ from kvserve.model.sampler import Sampler
 from kvserve.model.tensor_parallel import ShardSpec
 from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.model_setup import load_rank_model, rank_device
-from kvserve.runtime.tp_comm import (
+from kvserve.runtime.tp.comm import (
     HEARTBEAT_INTERVAL_S,
     Communicator,
     Heartbeat,
     TensorParallelError,
 )
-from kvserve.runtime.tp_executor import serve_rank
-from kvserve.runtime.tp_faults import Fault
-from kvserve.runtime.tp_group_check import check_identity
-from kvserve.runtime.tp_launch import (
+from kvserve.runtime.tp.executor import serve_rank
+from kvserve.runtime.tp.faults import Fault
+from kvserve.runtime.tp.group_check import check_identity
+from kvserve.runtime.tp.launch import (
     ARGS_VAR,
     NUM_BLOCKS_KEY,
     READY_KEY,

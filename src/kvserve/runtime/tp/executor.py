@@ -21,8 +21,8 @@ from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.runner import ModelRunner
 from kvserve.model.step_plan import StepPlan, layout_checksum
 from kvserve.runtime.collective_stats import CollectiveErrorKind, CollectiveStats
-from kvserve.runtime.tp_comm import CollectiveError, Communicator, RankDivergenceError
-from kvserve.runtime.tp_faults import Fault
+from kvserve.runtime.tp.comm import CollectiveError, Communicator, RankDivergenceError
+from kvserve.runtime.tp.faults import Fault
 
 
 class RankSupervisor(Protocol):

@@ -1,0 +1,2 @@
+"""kvserve.runtime.tp: tensor parallelism, one process per rank: launch, rank workers,
+collectives and their fault checks."""

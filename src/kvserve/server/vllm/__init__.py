@@ -1,0 +1,2 @@
+"""kvserve.server.vllm: vLLM's flags, routes and metric names, as vLLM users type and
+scrape them."""
