@@ -27,6 +27,7 @@ from kvserve.engine import (
     Scheduler,
     SchedulerConfig,
 )
+from kvserve.engine.lora import AdapterRef
 from kvserve.kvcache import AuditReport, KVCacheManager, KVCacheStats
 from kvserve.model import (
     ModelConfig,
@@ -48,6 +49,8 @@ from kvserve.runtime.host_memory import reuse_freed_host_memory
 from kvserve.runtime.kv_event_log import KVEventLog
 from kvserve.runtime.kv_faults import FAULT_VAR as KV_FAULT_VAR
 from kvserve.runtime.kv_faults import KVFault
+from kvserve.runtime.lora_registry import LoRARegistry
+from kvserve.runtime.lora_setup import attach_lora
 from kvserve.runtime.memory_budget import (
     device_memory_bytes,
     kv_bytes_for_utilization,
@@ -108,6 +111,7 @@ class LLMEngine:
         self._on_finish: dict[str, Callable[[RequestOutput], None]] = {}
         self.collective_stats: CollectiveStats | None = None  # tensor parallelism only
         self.kv_fault = KVFault.from_env()  # None unless a test plants one (KVSERVE_TEST_HOOKS)
+        self.lora: LoRARegistry | None = None  # the adapters, with enable_lora
 
     @classmethod
     def from_args(cls, args: EngineArgs, rendezvous: Rendezvous | None = None) -> LLMEngine:
@@ -180,6 +184,7 @@ class LLMEngine:
         runner = ModelRunner(loaded.model, kv_caches, args.block_size,
                              Sampler(args.seed, loaded.device, GrammarMasks(grammars)),
                              host_kv_caches, disk.caches if disk else ())
+        lora = attach_lora(args, loaded, runner)
         executor: ModelRunner | TensorParallelExecutor = runner
         collective_stats = None
         if group is not None:
@@ -188,12 +193,14 @@ class LLMEngine:
         scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
                                               max_model_len, args.audit_interval_steps,
                                               args.idle_audit_interval_s,
-                                              PreemptionMode(args.preemption_mode)), kv_cache)
+                                              PreemptionMode(args.preemption_mode),
+                                              args.max_loras), kv_cache)
         engine = cls(args, tokenizer, core=None, kv_cache=kv_cache,  # type: ignore[arg-type]
                      model_name=name, max_model_len=max_model_len, eos_token_ids=eos)
         engine.model_path = Path(loaded.path)
         engine.collective_stats = collective_stats
         engine.grammars = grammars
+        engine.lora = lora
         engine.core = EngineCore(scheduler, executor, tokenizer, engine.clock,
                                  on_audit=engine._record_audit)
         if isinstance(executor, TensorParallelExecutor):
@@ -234,6 +241,7 @@ class LLMEngine:
         kv_import: bool = False,
         on_finish: Callable[[RequestOutput], None] | None = None,
         max_tokens_within_context: bool = False,
+        lora: AdapterRef | None = None,
     ) -> None:
         """Queue a request. Raises ValueError (nothing queued) for an empty or too-long prompt,
         token ids outside the vocabulary, or a request id already in use. `kv_import`: the
@@ -243,8 +251,11 @@ class LLMEngine:
         `deadline` / `first_token_deadline` (engine clock): the request ends with TIMEOUT when
         it is not done / has no output token by then. `max_tokens_within_context`: refuse (as
         vLLM's server does) a prompt plus max_tokens beyond max_model_len, instead of ending
-        the output at the context."""
+        the output at the context. `lora`: the adapter to run under (None: the base model).
+        """
         params = params or SamplingParams()
+        if lora is not None and self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters; start it with enable_lora")
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         imports = self.kv_cache.imports
@@ -279,6 +290,7 @@ class LLMEngine:
                 deadline=deadline,
                 first_token_deadline=first_token_deadline,
                 cache_salt=cache_salt,
+                lora=lora,
                 group_id=request_id if params.n > 1 else None,
             )
             for i in range(params.n)
