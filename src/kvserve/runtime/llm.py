@@ -121,20 +121,25 @@ class LLM:
     def _adapters(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
                   num_prompts: int) -> list[AdapterRef | None]:
         """One adapter (or None) per prompt, registered with the engine on first sight."""
-        if lora_request is None or isinstance(lora_request, LoRARequest):
+        registry = self.engine.lora
+        if lora_request is None:
+            return [None] * num_prompts
+        if registry is None:
+            raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+        if isinstance(lora_request, LoRARequest):
             requests: list[LoRARequest | None] = [lora_request] * num_prompts
-        else:
+        elif isinstance(lora_request, Sequence):
             requests = list(lora_request)
             if len(requests) != num_prompts:
                 raise ValueError(f"got {len(requests)} lora requests for {num_prompts} prompts")
-        registry = self.engine.lora
-        if registry is None and any(r is not None for r in requests):
-            raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+        else:
+            raise TypeError(f"lora_request must be a LoRARequest or a list of them, got "
+                            f"{type(lora_request).__name__}")
         refs: list[AdapterRef | None] = []
         for r in requests:
             if r is not None and not isinstance(r, LoRARequest):
                 raise TypeError(f"lora_request must be a LoRARequest, got {type(r).__name__}")
-            refs.append(None if r is None or registry is None else registry.resolve_request(
+            refs.append(None if r is None else registry.resolve_request(
                 r.lora_name, r.lora_path, r.lora_int_id, r.base_model_name))
         return refs
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -75,6 +75,8 @@ class EngineStats:
     last_audit: AuditReport | None
     step_tokens: StepTokenCounts | None = None
     num_waiting_deferred: int = 0  # of the waiting, those waiting to hit blocks in flight
+    running_loras: tuple[str, ...] = ()  # LoRA adapter names of running requests (sorted)
+    waiting_loras: tuple[str, ...] = ()  # ... and of waiting ones
 
 
 class LLMEngine:
@@ -408,7 +410,13 @@ class LLMEngine:
         scheduler = self.core.scheduler
         return EngineStats(len(scheduler.running), len(scheduler.waiting),
                            scheduler.num_preemptions, self.kv_cache.stats(), self.last_audit,
-                           self.step_tokens.snapshot(), scheduler.num_deferred)
+                           self.step_tokens.snapshot(), scheduler.num_deferred,
+                           _adapter_names(scheduler.running), _adapter_names(scheduler.waiting))
 
     def _record_audit(self, report: AuditReport) -> None:
         self.last_audit = report
+
+
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    """The distinct LoRA adapter names of `requests`, sorted (vLLM's lora_requests_info)."""
+    return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))

@@ -72,7 +72,7 @@ class LoRARegistry:
                 int_id = self._next_id
             self._next_id = max(self._next_id, int_id) + 1
             entry = AdapterEntry(AdapterRef(name, int_id, weights.digest), str(path),
-                                 base_model_name or weights.base_model_name, weights.rank)
+                                 base_model_name, weights.rank)
             self.entries[name] = entry
             self._paths[weights.digest] = str(path)
             self._keep(weights)

@@ -23,6 +23,7 @@ from kvserve.server.kv_prefill import PrefillRequest, PrefillService
 from kvserve.server.kv_publisher import ZmqKVEventPublisher
 from kvserve.server.kv_pull import KVPuller
 from kvserve.server.limits import BodySizeLimit, EchoRequestId
+from kvserve.server.lora_routes import adapter_cards, add_lora_routes
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.serving import (
@@ -119,6 +120,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         _check_key(request, admin_key, "admin key")
 
     add_vllm_routes(app, tokenizer, model_name, engine.engine.max_model_len, require_api_key)
+    add_lora_routes(app, engine, require_admin_key)
+    if publisher is not None and engine.engine.lora is not None:
+        publisher.adapter_names = engine.engine.lora.name_of
 
     def pull_source(raw: Request) -> str | None:
         """The prefill worker the gateway named for this request, or None. Honoured only on a
@@ -162,7 +166,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     async def models() -> dict[str, object]:
         return {"object": "list", "data": [model_card(
             model_name, str(engine.engine.model_path or model_name), started,
-            engine.engine.max_model_len)]}
+            engine.engine.max_model_len)] + adapter_cards(
+                engine.engine.lora, model_name, started, engine.engine.max_model_len)}
 
     @app.get("/kv/events", dependencies=[Depends(require_admin_key)])
     async def kv_events(after: int = 0, limit: int = 4096, wait: float = 0.0) -> dict[str, object]:
