@@ -62,7 +62,7 @@ def test_rank_above_the_limit_missing_files_and_wrong_shapes_are_named(adapter, 
                                                                        tmp_path) -> None:
     with pytest.raises(LoRAFormatError, match="--max-lora-rank 4; raise"):
         load_peft_adapter(adapter, config(base), 4, torch.float32)
-    with pytest.raises(LoRAFormatError, match="needs adapter_config.json"):
+    with pytest.raises(LoRAFormatError, match=r"needs adapter_config\.json"):
         load_peft_adapter(tmp_path, config(base), 8, torch.float32)
     other = write_random_checkpoint(tmp_path / "wide", base_config(hidden_size=120), seed=1)
     with pytest.raises(LoRAFormatError, match="trained for another base model"):
