@@ -36,7 +36,7 @@ def test_smollm2_with_four_adapters_and_the_base_in_one_batch_matches_peft(tmp_p
     tokens = {lora.lora_name if lora else "base": out.outputs[0].token_ids
               for lora, out in zip(loras, outs, strict=True)}
     assert len({tuple(t) for t in tokens.values()}) == 5  # every adapter changes the output
-    for prompt, lora, out in zip(PROMPTS, loras, outs, strict=True):
+    for lora, out in zip(loras, outs, strict=True):
         ids = list(out.prompt_token_ids)
         adapter = None if lora is None else Path(lora.lora_path)
         for merged in (False, True):
