@@ -115,7 +115,7 @@ def kernel_rows(model: Path, num_adapters: int, rank: int) -> list[dict[str, obj
     import torch
 
     from kvserve.model import ModelConfig
-    from kvserve.model.lora.punica import bgmv_add, sgmv_add, slot_groups
+    from kvserve.model.lora.punica import bgmv_add, sgmv_add, slot_segments
 
     config = ModelConfig.from_file(model / "config.json")
     gen = torch.Generator().manual_seed(1)
@@ -128,7 +128,7 @@ def kernel_rows(model: Path, num_adapters: int, rank: int) -> list[dict[str, obj
     token_slots = torch.tensor(seq_slots)
     out = []
     for name, fn in (("grouped by adapter (SGMV)", lambda o: sgmv_add(
-            x, a, bs, o, slot_groups(seq_slots, query_start, torch.device("cpu")), rank)),
+            x, a, bs, o, slot_segments(seq_slots, query_start, torch.device("cpu")), rank)),
                      ("gathered per token (BGMV)", lambda o: bgmv_add(
                          x, a, bs, o, token_slots, rank))):
         times = []

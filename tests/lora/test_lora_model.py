@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from kvserve.model import ModelConfig, load_model, write_random_checkpoint
 from kvserve.model.lora import AdapterSlots, LoRAFormatError, load_peft_adapter
-from kvserve.model.lora.punica import bgmv_add, sgmv_add, slot_groups
+from kvserve.model.lora.punica import bgmv_add, sgmv_add, slot_segments
 from tests.lora.adapters import write_peft_adapter
 from tests.model.arch_configs import base_config
 
@@ -94,7 +94,7 @@ def test_segment_and_per_token_products_agree() -> None:
     base = [torch.randn(11, 5, generator=gen), torch.randn(11, 7, generator=gen)]
     seg = [t.clone() for t in base]
     tok = [t.clone() for t in base]
-    sgmv_add(x, a, bs, seg, slot_groups(seq_slots, query_start, torch.device("cpu")), rank)
+    sgmv_add(x, a, bs, seg, slot_segments(seq_slots, query_start, torch.device("cpu")), rank)
     bgmv_add(x, a, bs, tok, token_slots, rank)
     for s, t, b in zip(seg, tok, base, strict=True):
         torch.testing.assert_close(s, t)

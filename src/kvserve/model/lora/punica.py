@@ -5,9 +5,10 @@ sub-modules' A matrices of one fused projection stacked along the rank, each zer
 max_lora_rank) and one `b` [num_slots, out_m, R] per sub-module. A row of the batch either
 belongs to an adapter's slot or to the base model (slot -1: no delta).
 
-- `sgmv_add`: rows grouped by slot (a sequence's rows are contiguous), two matmuls per slot
-  present: shrink x[rows] @ a[slot].T, then expand each sub-module's rank block @ b[slot].T.
-  Work is proportional to the rows that have adapters; this is what the model runs.
+- `sgmv_add`: the adapter rows gathered once, ordered by slot (segments), then per segment a
+  shrink x[rows] @ a[slot].T and an expand of each sub-module's rank block @ b[slot].T, and one
+  scatter-add per sub-module. Work is proportional to the rows that have adapters; this is what
+  the model runs.
 - `bgmv_add`: the per-token gather (every row gathers its own A and B), the reference that
   `sgmv_add` is checked against; it materialises [rows, R, in] and is slower on CPUs
   (docs/benchmarks.md, LoRA).
@@ -25,28 +26,37 @@ import torch
 
 
 @dataclass(frozen=True, slots=True)
-class SlotGroup:
-    """The rows of one step that use adapter slot `slot`: a slice when contiguous, else an
-    index tensor [n] (int64)."""
+class Segments:
+    """The rows of one step that run adapters, ordered by slot: `rows` (a slice when they are
+    contiguous, else an index tensor [n], int64) lists them; `spans` are (slot, start, stop)
+    ranges of that order. Rows of the base model are in neither."""
 
-    slot: int
     rows: slice | torch.Tensor
+    spans: tuple[tuple[int, int, int], ...]
+
+    @property
+    def slots(self) -> frozenset[int]:
+        return frozenset(slot for slot, _, _ in self.spans)
 
 
 def sgmv_add(x: torch.Tensor, a: torch.Tensor, bs: Sequence[torch.Tensor],
-             outs: Sequence[torch.Tensor], groups: Sequence[SlotGroup], rank: int) -> None:
-    """outs[m][rows] += (x[rows] @ a[slot].T)[:, m*R:(m+1)*R] @ bs[m][slot].T, per group.
-    x [T, in]; a [S, n*R, in]; bs[m] [S, out_m, R]; outs[m] [T, out_m]."""
-    # Invariant: rows of no group (the base model's) are left exactly as the base matmul made them.
-    for group in groups:
-        xs = x[group.rows]  # [n_rows, in]
-        shrunk = xs @ a[group.slot].T  # [n_rows, n * R]
-        for m, (b, out) in enumerate(zip(bs, outs, strict=True)):
-            delta = shrunk[:, m * rank : (m + 1) * rank] @ b[group.slot].T  # [n_rows, out_m]
-            if isinstance(group.rows, slice):
-                out[group.rows] += delta
-            else:
-                out.index_add_(0, group.rows, delta)
+             outs: Sequence[torch.Tensor], segments: Segments, rank: int) -> None:
+    """outs[m][row] += (x[row] @ a[slot].T)[m*R:(m+1)*R] @ bs[m][slot].T for every row of every
+    span. x [T, in]; a [S, n*R, in]; bs[m] [S, out_m, R]; outs[m] [T, out_m]."""
+    # Invariant: rows of no span (the base model's) are left exactly as the base matmul made them.
+    xs = x[segments.rows]  # [n, in], ordered by slot
+    shrunk = xs.new_empty(xs.shape[0], a.shape[1])  # [n, n_sub * R]
+    for slot, start, stop in segments.spans:
+        torch.matmul(xs[start:stop], a[slot].T, out=shrunk[start:stop])
+    for m, (b, out) in enumerate(zip(bs, outs, strict=True)):
+        delta = xs.new_empty(xs.shape[0], b.shape[1])  # [n, out_m]
+        for slot, start, stop in segments.spans:
+            torch.matmul(shrunk[start:stop, m * rank : (m + 1) * rank], b[slot].T,
+                         out=delta[start:stop])
+        if isinstance(segments.rows, slice):
+            out[segments.rows] += delta
+        else:
+            out.index_add_(0, segments.rows, delta)
 
 
 def bgmv_add(x: torch.Tensor, a: torch.Tensor, bs: Sequence[torch.Tensor],
@@ -61,25 +71,24 @@ def bgmv_add(x: torch.Tensor, a: torch.Tensor, bs: Sequence[torch.Tensor],
         out += torch.bmm(b[idx], part)[:, :, 0] * mask  # [T, out_m]
 
 
-def slot_groups(seq_slots: Sequence[int], query_start: Sequence[int],
-                device: torch.device) -> list[SlotGroup]:
-    """Group the rows of sequences by adapter slot (sequence i owns rows
-    `query_start[i]:query_start[i + 1]`; slot -1: the base model, no group)."""
+def slot_segments(seq_slots: Sequence[int], query_start: Sequence[int],
+                  device: torch.device) -> Segments:
+    """Order the rows of the sequences that run adapters by slot (sequence i owns rows
+    `query_start[i]:query_start[i + 1]`; slot -1: the base model, left out)."""
     ranges: dict[int, list[tuple[int, int]]] = {}
     for i, slot in enumerate(seq_slots):
         if slot >= 0 and query_start[i + 1] > query_start[i]:
             ranges.setdefault(slot, []).append((query_start[i], query_start[i + 1]))
-    groups = []
-    for slot, spans in ranges.items():
-        merged: list[tuple[int, int]] = []
-        for start, stop in spans:
-            if merged and merged[-1][1] == start:
-                merged[-1] = (merged[-1][0], stop)
-            else:
-                merged.append((start, stop))
-        if len(merged) == 1:
-            groups.append(SlotGroup(slot, slice(*merged[0])))
-        else:
-            rows = torch.cat([torch.arange(s, e) for s, e in merged]).to(device)  # [n]
-            groups.append(SlotGroup(slot, rows))
-    return groups
+    spans, pieces, offset = [], [], 0
+    for slot, parts in ranges.items():
+        size = sum(stop - start for start, stop in parts)
+        spans.append((slot, offset, offset + size))
+        pieces.extend(parts)
+        offset += size
+    contiguous = all(pieces[i][1] == pieces[i + 1][0] for i in range(len(pieces) - 1))
+    if not pieces:
+        return Segments(slice(0, 0), ())
+    if contiguous:
+        return Segments(slice(pieces[0][0], pieces[-1][1]), tuple(spans))
+    rows = torch.cat([torch.arange(start, stop) for start, stop in pieces]).to(device)  # [n]
+    return Segments(rows, tuple(spans))

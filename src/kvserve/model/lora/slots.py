@@ -19,7 +19,7 @@ import torch
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import DecoderLayer, LlamaForCausalLM
 from kvserve.model.lora.peft_format import LoRAWeights, module_shapes
-from kvserve.model.lora.punica import SlotGroup, sgmv_add, slot_groups
+from kvserve.model.lora.punica import Segments, sgmv_add, slot_segments
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
           "gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)}
@@ -28,9 +28,9 @@ GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",),
 
 @dataclass(slots=True)
 class StepAdapters:
-    """The current step's row groups, shared by every layer (set by `begin_step`)."""
+    """The current step's adapter rows by slot, shared by every layer (set by `begin_step`)."""
 
-    groups: list[SlotGroup] = field(default_factory=list)
+    segments: Segments = field(default_factory=lambda: Segments(slice(0, 0), ()))
 
 
 class LoRALayer:
@@ -53,9 +53,9 @@ class LoRALayer:
 
     def add(self, kind: str, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None:
         """outs[m] [T, out_m] += this step's adapter deltas of x [T, in] (base rows unchanged)."""
-        groups = [g for g in self.step.groups if g.slot in self.used[kind]]
-        if groups:
-            sgmv_add(x, self.a[kind], self.b[kind], outs, groups, self.rank)
+        segments = self.step.segments
+        if segments.spans and not segments.slots.isdisjoint(self.used[kind]):
+            sgmv_add(x, self.a[kind], self.b[kind], outs, segments, self.rank)
 
     def write(self, slot: int, layer: int, weights: LoRAWeights) -> None:
         """Copy `weights`' modules of this layer into `slot` (zeros where it has none)."""
@@ -116,11 +116,11 @@ class AdapterSlots:
             if self._on_load is not None:
                 self._on_load(digest)
         seq_slots = [-1 if d is None else self.slot_of[d] for d in seq_digests]
-        self.step.groups = slot_groups(seq_slots, query_start, self.device)
+        self.step.segments = slot_segments(seq_slots, query_start, self.device)
         return seq_slots
 
     def end_step(self) -> None:
-        self.step.groups = []
+        self.step.segments = Segments(slice(0, 0), ())
 
     def drop(self, digest: bytes) -> None:
         """Forget an adapter's slot (unloaded): the slot is reused by the next load."""
