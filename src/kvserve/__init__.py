@@ -7,7 +7,7 @@ when `LLM` is first used, so the CLI and the pure layers start fast.
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,6 +15,10 @@ def __getattr__(name: str) -> Any:
         from kvserve.runtime import LLM
 
         return LLM
+    if name == "LoRARequest":
+        from kvserve.runtime.lora_request import LoRARequest
+
+        return LoRARequest
     if name == "SamplingParams":
         from kvserve.engine import SamplingParams
 

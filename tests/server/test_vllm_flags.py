@@ -58,7 +58,6 @@ def test_the_model_given_twice_differently_is_an_error() -> None:
 @pytest.mark.parametrize(("argv", "named"), [
     (["--quantization", "awq"], "--quantization awq"),
     (["-q", "gptq"], "-q gptq"),
-    (["--enable-lora"], "--enable-lora"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
     (["--data-parallel-size", "4"], "--data-parallel-size 4"),

@@ -31,7 +31,8 @@ NOT_EXPORTED = {
     "vllm:mm_cache_hits": "as mm_cache_queries",
 }
 # What the Gateway API Inference Extension's model-server protocol reads from a vLLM worker
-# (vllm:lora_requests_info too, which vLLM exports only with LoRA adapters: kvserve has none).
+# (vllm:lora_requests_info too, which vLLM exports only with LoRA adapters, as kvserve does:
+# tests/lora/test_lora_http.py).
 MODEL_SERVER_PROTOCOL = ("vllm:num_requests_waiting", "vllm:num_requests_running",
                          "vllm:kv_cache_usage_perc", "vllm:cache_config_info")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvserve.engine.lora import AdapterRef
 from kvserve.engine.sampling_params import SamplingParams
 
 
@@ -70,6 +71,7 @@ class Request:
     # then; its client stops waiting for a first token that comes later.
     first_token_deadline: float | None = None
     cache_salt: str | None = None
+    lora: AdapterRef | None = None  # the LoRA adapter it runs under (None: the base model)
     group_id: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -9,6 +9,9 @@ it resumes, nothing recomputed; recompute when the host tier has no room).
 A waiting request whose prompt blocks another request is computing waits and hits them, unless
 that request writes them in the very step being planned: then it shares them at once, in the
 same forward pass, and leaves the step with it if it fails (see `KVCacheManager.lookup`).
+At most `max_loras` distinct LoRA adapters run in one step: running requests keep theirs; a
+waiting request of another adapter waits while the step is full of adapters, and later requests
+(of the base model or of the step's adapters) may go first meanwhile.
 With a host tier, each step also carries the copies between the tiers its allocations need
 (`SchedulerOutput.kv_transfers`), confirmed in `commit_step` or undone in `abandon_step`.
 """
@@ -75,6 +78,8 @@ class SchedulerCounts:
     num_preemptions: int
     num_swap_preemptions: int
     num_scheduled_tokens: int  # tokens whose KV the steps computed (recomputes too)
+    running_loras: tuple[str, ...] = ()  # distinct LoRA adapter names running (sorted)
+    waiting_loras: tuple[str, ...] = ()  # ... and waiting (vLLM's lora_requests_info)
 
 
 @dataclass(slots=True)
@@ -117,6 +122,7 @@ class Scheduler:
         self.num_scheduled_tokens = 0  # tokens whose KV the steps computed (recomputes too)
         self._now = 0.0  # the current step's time, for the requests it admits
         self.num_deferred = 0  # waiting requests the last step left to hit blocks in flight
+        self.num_waiting_for_adapter = 0  # waiting requests the last step left for --max-loras
         self._was_idle = True
         self._last_idle_audit: float | None = None  # when a drain last ran the full audit
 
@@ -158,7 +164,8 @@ class Scheduler:
     def counts(self) -> SchedulerCounts:
         return SchedulerCounts(len(self.running), len(self.waiting), self.num_deferred,
                                self.num_preemptions, self.num_swap_preemptions,
-                               self.num_scheduled_tokens)
+                               self.num_scheduled_tokens, _adapter_names(self.running),
+                               _adapter_names(self.waiting))
 
     # -- one step -------------------------------------------------------------------------
 
@@ -175,6 +182,8 @@ class Scheduler:
         # request admitted later in the step may share their prompt blocks in flight.
         in_flight: dict[str, int] = {}
 
+        # The step's adapters (by digest): the running requests' adapters are all loaded.
+        adapters = {r.lora.digest for r in self.running if r.lora is not None}
         idx = 0
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
@@ -187,22 +196,31 @@ class Scheduler:
             idx += 1
 
         skipped: list[Request] = []
+        num_adapter_waits = 0
         while self.waiting and budget > 0 and not out.preempted:
             if len(self.running) >= self.config.max_num_seqs:
                 break
             request = self.waiting[0]
+            if (request.lora is not None and request.lora.digest not in adapters
+                    and len(adapters) >= self.config.max_loras):
+                skipped.append(self.waiting.popleft())  # no adapter slot this step
+                num_adapter_waits += 1
+                continue
             kv = self.kv_cache
             if kv.is_swapped(request.request_id):
                 num_new = min(request.num_tokens - request.num_computed_tokens, budget)
                 if kv.swap_in(request.request_id, num_new) is None:
                     break  # first come, first served, swapped-out requests included
                 self._admit(request, num_new, scheduled)
+                if request.lora is not None:
+                    adapters.add(request.lora.digest)
                 in_flight[request.request_id] = request.num_computed_tokens + num_new
                 budget -= num_new
                 continue
             if not kv.has_request(request.request_id):
                 kv.add_request(request.request_id, request.all_token_ids,
-                               cache_salt=request.cache_salt)
+                               cache_salt=request.cache_salt,
+                               adapter_digest=request.lora.digest if request.lora else None)
             # A request that wants prompt logprobs computes its whole prompt: cached tokens
             # have no logits.
             hit = (PrefixHit() if request.sampling_params.prompt_logprobs is not None
@@ -221,10 +239,13 @@ class Scheduler:
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = hit.num_tokens
             self._admit(request, num_new, scheduled, hit.in_flight_owners)
+            if request.lora is not None:
+                adapters.add(request.lora.digest)
             in_flight[request.request_id] = hit.num_tokens + num_new
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
-        self.num_deferred = len(skipped)
+        self.num_deferred = len(skipped) - num_adapter_waits
+        self.num_waiting_for_adapter = num_adapter_waits
 
         out.scheduled = self._verified(scheduled, out)
         self.num_scheduled_tokens += out.num_batched_tokens
@@ -402,3 +423,8 @@ class Scheduler:
         if report is not None and not report.ok:
             self.kv_cache.reap(live_request_ids=self.live_request_ids)
         return report
+
+
+def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    """The distinct LoRA adapter names of `requests`, sorted."""
+    return tuple(sorted({r.lora.name for r in requests if r.lora is not None}))

@@ -23,6 +23,8 @@ class ViolationKind(enum.Enum):
     HASH_MAP_MISMATCH = "hash_map_mismatch"  # map key and block's hash or tokens disagree
     STALE_HASH = "stale_hash"  # a block's hash does not describe the content its holder wrote
     CROSS_TENANT_SHARE = "cross_tenant_share"  # a block computed under one salt held under another
+    # A block computed under one LoRA adapter (digest) and read under another.
+    CROSS_ADAPTER_SHARE = "cross_adapter_share"
     EPOCH_MISMATCH = "epoch_mismatch"  # block reassigned under a live table
     UNCACHED_SHARE = "uncached_share"  # several tables list a block that caches nothing
     ORPHAN_BLOCK = "orphan_block"  # a cached block whose parent was evicted (invariant 8)
@@ -233,6 +235,11 @@ def run_audit(
                 fail(ViolationKind.CROSS_TENANT_SHARE,
                      f"block {bid} was computed under salt {block.salt!r} but request {rid!r} "
                      f"reads it under salt {record.salt!r}", bid, rid)
+            elif block.adapter_digest != record.adapter_digest:
+                fail(ViolationKind.CROSS_ADAPTER_SHARE,
+                     f"block {bid} was computed under adapter {_digest(block.adapter_digest)} "
+                     f"but request {rid!r} reads it under adapter "
+                     f"{_digest(record.adapter_digest)}", bid, rid)
 
     # An in-progress announcement names a live request that really is computing that block.
     for block_hash, owner in (pending or {}).items():
@@ -266,3 +273,8 @@ def run_audit(
         num_live_requests=len(ledger),
         violations=tuple(out),
     )
+
+
+def _digest(digest: bytes | None) -> str:
+    """An adapter digest as the audit names it (the base model: "none")."""
+    return "none" if digest is None else digest.hex()[:16]

@@ -13,6 +13,7 @@ class KVBlock:
     """
 
     __slots__ = (
+        "adapter_digest",
         "block_hash",
         "block_id",
         "cached_epoch",
@@ -36,6 +37,7 @@ class KVBlock:
         self.parent_hash: bytes | None = None
         self.token_bytes: bytes | None = None  # the tokens the hash covers, for the hit re-check
         self.salt: str | None = None  # tenant whose request computed this content
+        self.adapter_digest: bytes | None = None  # LoRA adapter it was computed under
         self.cached_epoch = -1  # the epoch at which the content key was set
         self.last_owner: str | None = None  # the request that most recently took a reference
         self.checksum: int | None = None  # optional content checksum fed by the model layer
@@ -53,6 +55,7 @@ class KVBlock:
         self.parent_hash = None
         self.token_bytes = None
         self.salt = None
+        self.adapter_digest = None
         self.checksum = None
         self.cached_epoch = -1
 

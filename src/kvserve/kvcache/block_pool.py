@@ -130,6 +130,7 @@ class BlockPool:
         token_ids: list[int],
         token_bytes: bytes,
         salt: str | None,
+        adapter_digest: bytes | None = None,
     ) -> bool:
         """Make a held, fully written block hit-able under `block_hash`.
 
@@ -143,11 +144,13 @@ class BlockPool:
         block.parent_hash = parent_hash
         block.token_bytes = token_bytes
         block.salt = salt
+        block.adapter_digest = adapter_digest
         block.cached_epoch = block.epoch
         self.cached[block_hash] = block
         if self.enable_events:
             self.events.append(
-                BlockStored((block_hash,), parent_hash, tuple(token_ids), self.block_size, salt)
+                BlockStored((block_hash,), parent_hash, tuple(token_ids), self.block_size, salt,
+                            adapter_digest)
             )
         return True
 

@@ -20,6 +20,7 @@ class BlockStored:
     token_ids: tuple[int, ...]
     block_size: int
     cache_salt: str | None = None
+    adapter_digest: bytes | None = None  # the LoRA adapter's sha256 (None: the base model)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,11 +15,14 @@ from kvserve.kvcache.ledger import RequestRecord
 
 
 def prompt_record(request_id: str, token_ids: Sequence[int], cache_salt: str | None,
-                  model_id: str, block_size: int, num_blocks: int) -> RequestRecord:
+                  model_id: str, block_size: int, num_blocks: int,
+                  adapter_digest: bytes | None = None) -> RequestRecord:
     """A record (not in any ledger) with the chained hashes of the prompt's first
-    `num_blocks` full blocks, exactly as the manager hashes a request's blocks."""
+    `num_blocks` full blocks, exactly as the manager hashes a request's blocks (the adapter's
+    digest included: a transfer key never leaves the adapter out)."""
     record = RequestRecord(request_id, list(token_ids), cache_salt,
-                           encode_extra_keys(model_id, None, cache_salt), 0.0, 0.0)
+                           encode_extra_keys(model_id, adapter_digest, cache_salt), 0.0, 0.0,
+                           adapter_digest)
     record.extend_hashes(num_blocks, block_size)
     return record
 

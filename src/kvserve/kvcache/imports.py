@@ -88,17 +88,21 @@ class KVImports:
         self._clock = clock
         self.num_cancelled = 0  # imports cancelled (failed transfers, aborts, reaped)
 
-    def open(self, import_id: str, token_ids: Sequence[int], cache_salt: str | None) -> ImportPlan:
-        """Start an import of the prompt `token_ids`. The leading full blocks already held here
-        are skipped; the last prompt token is always computed locally (its logits are needed),
-        so at most `(len(token_ids) - 1) // block_size` blocks are ever imported."""
+    def open(self, import_id: str, token_ids: Sequence[int], cache_salt: str | None,
+             adapter_digest: bytes | None = None) -> ImportPlan:
+        """Start an import of the prompt `token_ids` (run under the LoRA adapter of
+        `adapter_digest`, None: the base model: it is in every block's key). The leading full
+        blocks already held here are skipped; the last prompt token is always computed locally
+        (its logits are needed), so at most `(len(token_ids) - 1) // block_size` blocks are
+        ever imported."""
         if import_id in self.imports:
             raise ValueError(f"import {import_id!r} is already open")
         if not token_ids:
             raise ValueError("an import needs a prompt of at least one token")
         bs = self.pool.block_size
         max_blocks = (len(token_ids) - 1) // bs
-        record = prompt_record(import_id, token_ids, cache_salt, self.model_id, bs, max_blocks)
+        record = prompt_record(import_id, token_ids, cache_salt, self.model_id, bs, max_blocks,
+                               adapter_digest)
         first = 0
         while first < max_blocks and self._is_held(record, first):
             first += 1

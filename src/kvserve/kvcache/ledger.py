@@ -35,6 +35,7 @@ class RequestRecord:
     root_extra: bytes  # encoded extra keys of the first block (model, adapter, salt)
     created_at: float
     last_active: float
+    adapter_digest: bytes | None = None  # the LoRA adapter it runs under (None: base model)
     block_table: list[KVBlock] = field(default_factory=list)
     block_epochs: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)

@@ -80,17 +80,20 @@ class KVCacheManager:
         token_ids: Sequence[int],
         *,
         cache_salt: str | None = None,
-        adapter_id: str | None = None,
+        adapter_digest: bytes | None = None,
     ) -> None:
         """Start tracking a request with its prompt. `cache_salt` isolates tenants: requests
-        with different salts never share a block. It must come from a trusted layer."""
+        with different salts never share a block. It must come from a trusted layer.
+        `adapter_digest`: the sha256 of the LoRA adapter's weights and config (None: the base
+        model); requests of different adapters never share a block, equal files always may."""
         now = self._clock()
         self.ledger.add(
             RequestRecord(
                 request_id=request_id,
                 token_ids=list(token_ids),
                 salt=cache_salt,
-                root_extra=encode_extra_keys(self.model_id, adapter_id, cache_salt),
+                root_extra=encode_extra_keys(self.model_id, adapter_digest, cache_salt),
+                adapter_digest=adapter_digest,
                 created_at=now,
                 last_active=now,
             )

@@ -49,7 +49,7 @@ def publish(pool: BlockPool, record: RequestRecord, idx: int) -> None:
     parent = record.block_hashes[idx - 1] if idx else None
     token_ids = record.token_ids[idx * bs : (idx + 1) * bs]
     if pool.cache_block(record.block_table[idx], record.block_hashes[idx], parent, token_ids,
-                        record.block_token_bytes[idx], record.salt):
+                        record.block_token_bytes[idx], record.salt, record.adapter_digest):
         return
     # Two requests computed the same content at once: keep the cached one, free the duplicate.
     twin = pool.cached[record.block_hashes[idx]]

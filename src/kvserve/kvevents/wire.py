@@ -12,6 +12,7 @@ sequence frame is -1 (`END_OF_REPLAY_SEQ`).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -73,6 +74,37 @@ class EventMessage:
 
 
 # Field order of the tagged-array encoding (vLLM's struct declaration order).
+ADAPTER_KEY_PREFIX = "lora-sha256:"
+"""How a kvserve worker names a LoRA adapter in a first block's `extra_keys`: this prefix and
+the hex sha256 of the adapter's weights and config (its cache identity), where vLLM puts the
+adapter's name. A string no salt or name of vLLM's starts with by accident."""
+
+
+def adapter_extra_key(digest: bytes) -> str:
+    """The `extra_keys` entry that identifies a LoRA adapter by its 32-byte digest."""
+    return ADAPTER_KEY_PREFIX + digest.hex()
+
+
+def parse_first_block_keys(extra: tuple[object, ...] | None,
+                           lora_name: str | None) -> tuple[bytes | None, str | None]:
+    """(adapter digest, cache salt) from a first block's untagged extra keys: kvserve's
+    digest entry, else (a vLLM worker) the adapter's name standing first when the event names
+    one, identified by sha256 of the name (vLLM's own identity); the salt is the first string
+    after it. (None, None) for the base model and no salt."""
+    values = list(extra or ())
+    digest: bytes | None = None
+    first = values[0] if values else None
+    if isinstance(first, str) and first.startswith(ADAPTER_KEY_PREFIX):
+        digest = bytes.fromhex(first[len(ADAPTER_KEY_PREFIX):])
+        values.pop(0)
+    elif lora_name is not None:
+        digest = hashlib.sha256(b"vllm-lora-name:" + lora_name.encode()).digest()
+        if values and values[0] == lora_name:
+            values.pop(0)
+    salt = next((v for v in values if isinstance(v, str)), None)
+    return digest, salt
+
+
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
                   "medium", "lora_name", "extra_keys")
 _REMOVED_FIELDS = ("block_hashes", "medium")

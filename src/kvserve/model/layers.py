@@ -6,7 +6,8 @@ checkpoint's tensors load by name.
 
 from __future__ import annotations
 
-from typing import TypedDict
+from collections.abc import Sequence
+from typing import Protocol, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,14 @@ class FactoryKwargs(TypedDict):
 
     dtype: torch.dtype | None
     device: torch.device | str | None
+
+
+class ProjectionDeltas(Protocol):
+    """Adds per-row deltas (LoRA adapters, kvserve.model.lora) after a base projection:
+    `outs` are views of the output slices of the fused projection `kind` ("qkv", "o",
+    "gate_up", "down") computed from x [T, in]; they are updated in place."""
+
+    def add(self, kind: str, x: torch.Tensor, outs: Sequence[torch.Tensor]) -> None: ...
 
 
 class RMSNorm(nn.Module):
@@ -79,6 +88,7 @@ class GatedMLP(nn.Module):
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.packed_gate_up: PackedLinear | None = None
         self.packed_down: PackedLinear | None = None
+        self.lora: ProjectionDeltas | None = None  # LoRA adapters' deltas, when served
 
     def pack(self) -> None:
         """Serve the fused gate/up and down_proj from oneDNN-packed weights (after `fuse`),
@@ -103,6 +113,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, hidden] -> [num_tokens, hidden]."""
+        if self.lora is not None:
+            return self._forward_with_deltas(x, self.lora)
         if self.packed_gate_up is not None and self.packed_down is not None:
             return self.packed_down(_silu_mul(self.packed_gate_up(x)))
         if self.gate_up is None:
@@ -110,6 +122,22 @@ class GatedMLP(nn.Module):
             return out
         fused: torch.Tensor = self.down_proj(_silu_mul(F.linear(x, *self.gate_up)))
         return fused
+
+
+    def _forward_with_deltas(self, x: torch.Tensor, lora: ProjectionDeltas) -> torch.Tensor:
+        """`forward` with the deltas added to gate/up and down after their base matmuls."""
+        if self.packed_gate_up is not None:
+            gate_up = self.packed_gate_up(x)  # [T, 2 * inter]
+        elif self.gate_up is not None:
+            gate_up = F.linear(x, *self.gate_up)  # [T, 2 * inter]
+        else:
+            gate_up = torch.cat([self.gate_proj(x), self.up_proj(x)], dim=-1)  # [T, 2 * inter]
+        lora.add("gate_up", x, gate_up.chunk(2, dim=-1))
+        inner = _silu_mul(gate_up)  # [T, inter]
+        out: torch.Tensor = (self.packed_down(inner) if self.packed_down is not None
+                             else self.down_proj(inner))  # [T, hidden]
+        lora.add("down", inner, (out,))
+        return out
 
 
 def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from torch import nn
 
 from kvserve.model.attention_metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import FactoryKwargs, GatedMLP, RMSNorm, drop_dense
+from kvserve.model.layers import FactoryKwargs, GatedMLP, ProjectionDeltas, RMSNorm, drop_dense
 from kvserve.model.onednn_linear import PackedLinear
 from kvserve.model.paged_attention import KVCache, paged_attention
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary_
@@ -50,6 +50,7 @@ class Attention(nn.Module):
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.packed_qkv: PackedLinear | None = None
         self.packed_o: PackedLinear | None = None
+        self.lora: ProjectionDeltas | None = None  # LoRA adapters' deltas, when served
 
     def pack(self) -> None:
         """Serve the fused q/k/v and o_proj from oneDNN-packed weights (after `fuse`), dropping
@@ -88,6 +89,8 @@ class Attention(nn.Module):
                 [q_size, kv_size, kv_size], dim=-1)  # [T, q_size], [T, kv_size] x 2
         else:
             q_flat, k_flat, v_flat = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
+        if self.lora is not None:
+            self.lora.add("qkv", hidden, (q_flat, k_flat, v_flat))
         q = q_flat.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, H, hd]
         k = k_flat.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
         v = v_flat.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, hd]
@@ -99,6 +102,8 @@ class Attention(nn.Module):
         flat = out.reshape(num_tokens, -1)  # [T, q_size]
         projected: torch.Tensor = (self.packed_o(flat) if self.packed_o is not None
                                    else self.o_proj(flat))  # [T, hidden]
+        if self.lora is not None:
+            self.lora.add("o", flat, (projected,))
         return projected
 
 

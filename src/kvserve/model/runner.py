@@ -17,6 +17,7 @@ from kvserve.engine import Request, SampledToken, SchedulerOutput, TokenLogprob
 from kvserve.model.attention_metadata import AttentionMetadata
 from kvserve.model.host_kv import run_kv_transfers
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.lora.runner_hook import RunnerAdapters
 from kvserve.model.paged_attention import KVCache
 from kvserve.model.sampler import Sampler
 from kvserve.model.step_plan import StepPlan
@@ -44,6 +45,7 @@ class ModelRunner:
         self.sampler = sampler
         self.device = next(model.parameters()).device
         self._prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = {}
+        self.lora: RunnerAdapters | None = None  # LoRA adapters, when the engine serves them
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
@@ -59,7 +61,13 @@ class ModelRunner:
         if not output.scheduled:
             return {}
         plan = StepPlan.from_output(output, self.block_size, step_id=0, with_checksum=False)
-        hidden = self.forward(plan)  # [num_tokens, hidden]
+        if self.lora is not None:
+            self.lora.begin_step(output.scheduled, plan.query_start)
+        try:
+            hidden = self.forward(plan)  # [num_tokens, hidden]
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         self._prompt_logprobs = self.score_prompts(output, plan.query_start, hidden)
         requests = [item.request for item in output.scheduled if item.sample]
         return self.sample(hidden, plan, requests)

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from kvserve.engine import SamplingParams
 from kvserve.runtime.engine_info import EngineInfo
 from kvserve.runtime.llm_engine import EngineStats, LLMEngine
+from kvserve.runtime.lora_registry import LoRARegistry
 from kvserve.runtime.outputs import RequestOutput
 
 T = TypeVar("T")
@@ -67,6 +68,11 @@ class AsyncEngine:
     @property
     def num_live_requests(self) -> int:
         return len(self._streams)
+
+    @property
+    def lora(self) -> LoRARegistry | None:
+        """The engine's LoRA adapters (None without enable_lora): names, digests, slots."""
+        return self.engine.lora
 
     async def generate(
         self,

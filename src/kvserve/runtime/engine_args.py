@@ -48,6 +48,9 @@ class EngineArgs:
     process each (kvserve.model.tensor_parallel, kvserve.runtime.tp.launch); the host and disk
     tiers are single-rank only. `collective_timeout_s`: a collective that does not finish in
     that many seconds fails the step and the worker instead of hanging.
+    `enable_lora`: serve LoRA adapters (PEFT format) per request, vLLM's flags: at most
+    `max_loras` distinct adapters in one step (their device slots), ranks up to
+    `max_lora_rank`, `max_cpu_loras` kept in host memory (None: `max_loras`). One rank only.
     """
 
     model: str | None = None
@@ -81,6 +84,10 @@ class EngineArgs:
     download_dir: str | None = None
     tokenizer: str | None = None
     hf_config_path: str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -126,6 +133,20 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
         kv_cache_dtype_name(self.kv_cache_dtype)  # raises for an unknown or unsupported one
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} "
+                             f"and {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras}), as vLLM requires")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are served on one rank only for now: drop "
+                             "--enable-lora or use -tp 1")
+
+    @property
+    def resolved_max_cpu_loras(self) -> int:
+        """Adapters kept in host memory: `max_cpu_loras`, else `max_loras` (vLLM's default)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     def resolve_num_blocks(self, bytes_per_block: int, utilization_bytes: int | None = None) -> int:
         """Blocks in the pool: explicit, or as many as the KV memory budget holds

@@ -42,8 +42,11 @@ def event_dict(event: KVEvent) -> dict[str, Any]:
     """The JSON form of one event (without its `seq`)."""
     if isinstance(event, BlockStored):
         parent = event.parent_block_hash
-        return {"type": "stored", "block_hashes": [h.hex() for h in event.block_hashes],
-                "parent_block_hash": parent.hex() if parent is not None else None}
+        out = {"type": "stored", "block_hashes": [h.hex() for h in event.block_hashes],
+               "parent_block_hash": parent.hex() if parent is not None else None}
+        if event.adapter_digest is not None:
+            out["adapter_digest"] = event.adapter_digest.hex()
+        return out
     if isinstance(event, BlockRemoved):
         return {"type": "removed", "block_hashes": [h.hex() for h in event.block_hashes]}
     if isinstance(event, AllBlocksCleared):

@@ -39,20 +39,23 @@ class ImportStart:
 
 
 def prompt_block_hashes(info: EngineInfo, token_ids: Sequence[int], cache_salt: str | None,
-                        stop: int) -> list[bytes]:
+                        stop: int, adapter_digest: bytes | None = None) -> list[bytes]:
     """The chained hashes of the prompt's first `stop` full blocks, as this worker keys them
-    (the served model name is the cache's model id)."""
+    (the served model name is the cache's model id), under the LoRA adapter of
+    `adapter_digest` (None: the base model)."""
     return prompt_record("", token_ids, cache_salt, info.model_name, info.limits.block_size,
-                         stop).block_hashes[:stop]
+                         stop, adapter_digest).block_hashes[:stop]
 
 
 def export_prompt_blocks(engine: LLMEngine, token_ids: Sequence[int], cache_salt: str | None,
-                         first: int, stop: int) -> ExportedBlocks | None:
+                         first: int, stop: int,
+                         adapter_digest: bytes | None = None) -> ExportedBlocks | None:
     """Copy out the KV of the prompt's full blocks `[first, stop)`. Call it right after the step
     that computed the prompt (an `on_finish` hook): the blocks are cached and not yet reused.
     None when a block is not in the prefix cache (it was never computed here)."""
     kv = engine.kv_cache
-    record = prompt_record("", token_ids, cache_salt, kv.model_id, kv.block_size, stop)
+    record = prompt_record("", token_ids, cache_salt, kv.model_id, kv.block_size, stop,
+                           adapter_digest)
     block_ids = cached_block_ids(kv.pool, record, first, stop)
     if block_ids is None:
         return None
@@ -62,11 +65,12 @@ def export_prompt_blocks(engine: LLMEngine, token_ids: Sequence[int], cache_salt
 
 
 def open_import(engine: LLMEngine, import_id: str, prompt: str | Sequence[int],
-                cache_salt: str | None) -> ImportStart:
+                cache_salt: str | None, adapter_digest: bytes | None = None) -> ImportStart:
     """Tokenize the prompt as the request will be, and open its import. Raises ValueError for a
     prompt the engine would refuse, or without a host tier."""
     token_ids = engine.encode(prompt)
-    return ImportStart(tuple(token_ids), _imports(engine).open(import_id, token_ids, cache_salt))
+    return ImportStart(tuple(token_ids), _imports(engine).open(import_id, token_ids, cache_salt,
+                                                                adapter_digest))
 
 
 def import_blocks(engine: LLMEngine, import_id: str,

@@ -7,6 +7,7 @@ from typing import Any
 
 from kvserve.chat_template import open_final_message, template_argument
 from kvserve.engine import SamplingParams
+from kvserve.engine.lora import AdapterRef
 from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.llm_engine import LLMEngine
 from kvserve.runtime.llm_inputs import (
@@ -16,6 +17,7 @@ from kvserve.runtime.llm_inputs import (
     engine_kwargs,
     progress_bar,
 )
+from kvserve.runtime.lora_request import LoRARequest
 from kvserve.runtime.outputs import RequestOutput
 
 Prompt = str | Sequence[int] | Mapping[str, Any]
@@ -61,7 +63,7 @@ class LLM:
         use_tqdm: bool | Callable[..., ProgressBar] = True,
         *,
         use_progress: bool | None = None,
-        lora_request: object = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order.
 
@@ -69,11 +71,13 @@ class LLM:
         `{"prompt_token_ids": ids}`, optionally with `"cache_salt"`). One `SamplingParams`
         applies to all prompts; a list gives one per prompt. `use_tqdm`: as vLLM's (True, False
         or a tqdm-like callable); `use_progress` is kvserve's older name for it.
+        `lora_request`: vLLM's `LoRARequest` for every prompt, or a list of one per prompt
+        (None: the base model); needs `LLM(..., enable_lora=True)`.
         """
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported: kvserve serves no LoRA adapters")
-        return self._run(as_prompt_inputs(prompts), sampling_params,
-                         use_tqdm if use_progress is None else use_progress)
+        batch = as_prompt_inputs(prompts)
+        return self._run(batch, sampling_params,
+                         use_tqdm if use_progress is None else use_progress,
+                         self._adapters(lora_request, len(batch)))
 
     def chat(
         self,
@@ -81,7 +85,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., ProgressBar] = True,
         *,
-        lora_request: object = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
         chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
@@ -93,8 +97,6 @@ class LLM:
         """Apply the chat template (the model's, or `chat_template`: a file or the template) to
         one conversation or a list of them, then generate; vLLM's arguments and meanings.
         `continue_final_message` renders the last (assistant) message open, to be continued."""
-        if lora_request is not None:
-            raise ValueError("lora_request is not supported: kvserve serves no LoRA adapters")
         if chat_template_content_format not in ("auto", "string"):
             raise ValueError("chat_template_content_format must be 'auto' or 'string': "
                              "kvserve flattens text parts to a string")
@@ -114,11 +116,38 @@ class LLM:
                 text = open_final_message(text, list(conversation))
             prompts.append(PromptInput(tokenizer.encode(text, add_special_tokens=False)))
         return self._run(prompts, sampling_params,
-                         use_tqdm if use_progress is None else use_progress)
+                         use_tqdm if use_progress is None else use_progress,
+                         self._adapters(lora_request, len(prompts)))
+
+    def _adapters(self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None,
+                  num_prompts: int) -> list[AdapterRef | None]:
+        """One adapter (or None) per prompt, registered with the engine on first sight."""
+        registry = self.engine.lora
+        if lora_request is None:
+            return [None] * num_prompts
+        if registry is None:
+            raise ValueError("lora_request needs LLM(..., enable_lora=True)")
+        if isinstance(lora_request, LoRARequest):
+            requests: list[LoRARequest | None] = [lora_request] * num_prompts
+        elif isinstance(lora_request, Sequence):
+            requests = list(lora_request)
+            if len(requests) != num_prompts:
+                raise ValueError(f"got {len(requests)} lora requests for {num_prompts} prompts")
+        else:
+            raise TypeError(f"lora_request must be a LoRARequest or a list of them, got "
+                            f"{type(lora_request).__name__}")
+        refs: list[AdapterRef | None] = []
+        for r in requests:
+            if r is not None and not isinstance(r, LoRARequest):
+                raise TypeError(f"lora_request must be a LoRARequest, got {type(r).__name__}")
+            refs.append(None if r is None else registry.resolve_request(
+                r.lora_name, r.lora_path, r.lora_int_id, r.base_model_name))
+        return refs
 
     def _run(self, batch: list[PromptInput],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             use_tqdm: bool | Callable[..., ProgressBar]) -> list[RequestOutput]:
+             use_tqdm: bool | Callable[..., ProgressBar],
+             adapters: Sequence[AdapterRef | None] = ()) -> list[RequestOutput]:
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(batch)
         else:
@@ -126,10 +155,11 @@ class LLM:
             if len(params) != len(batch):
                 raise ValueError(f"got {len(params)} sampling params for {len(batch)} prompts")
         ids = []
-        for item, p in zip(batch, params, strict=True):
+        for i, (item, p) in enumerate(zip(batch, params, strict=True)):
             request_id = f"llm-{self._next_id}"
             self._next_id += 1
-            self.engine.add_request(request_id, item.prompt, p, cache_salt=item.cache_salt)
+            self.engine.add_request(request_id, item.prompt, p, cache_salt=item.cache_salt,
+                                    lora=adapters[i] if adapters else None)
             ids.append(request_id)
         done: dict[str, RequestOutput] = {}
         bar = progress_bar(use_tqdm, len(ids))

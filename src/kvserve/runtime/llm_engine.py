@@ -26,6 +26,7 @@ from kvserve.engine import (
     Scheduler,
     SchedulerConfig,
 )
+from kvserve.engine.lora import AdapterRef
 from kvserve.kvcache import AuditReport, KVCacheManager, KVCacheStats
 from kvserve.model import (
     Tokenizer,
@@ -49,6 +50,8 @@ from kvserve.runtime.host_memory import reuse_freed_host_memory
 from kvserve.runtime.kv_event_log import KVEventLog
 from kvserve.runtime.kv_faults import FAULT_VAR as KV_FAULT_VAR
 from kvserve.runtime.kv_faults import KVFault
+from kvserve.runtime.lora_registry import LoRARegistry
+from kvserve.runtime.lora_setup import attach_lora
 from kvserve.runtime.memory_budget import (
     device_memory_bytes,
     kv_bytes_for_utilization,
@@ -73,6 +76,8 @@ class EngineStats:
     last_audit: AuditReport | None
     step_tokens: StepTokenCounts | None = None
     num_waiting_deferred: int = 0  # of the waiting, those waiting to hit blocks in flight
+    running_loras: tuple[str, ...] = ()  # LoRA adapter names of running requests (sorted)
+    waiting_loras: tuple[str, ...] = ()  # ... and of waiting ones
 
 
 class LLMEngine:
@@ -109,6 +114,7 @@ class LLMEngine:
         # next step can reuse its freed blocks (a prefill worker copies the KV out then).
         self._on_finish: dict[str, Callable[[LLMEngine, RequestOutput], None]] = {}
         self.kv_fault = KVFault.from_env()  # None unless a test plants one (KVSERVE_TEST_HOOKS)
+        self.lora: LoRARegistry | None = None  # the adapters, with enable_lora
 
     @property
     def model_name(self) -> str:
@@ -195,6 +201,7 @@ class LLMEngine:
         runner = ModelRunner(loaded.model, kv_caches, args.block_size,
                              Sampler(args.seed, loaded.device, GrammarMasks(grammars)),
                              host_kv_caches, disk.caches if disk else ())
+        lora = attach_lora(args, loaded, runner)
         executor: ModelRunner | TensorParallelExecutor = runner
         collective_stats = None
         if group is not None:
@@ -203,13 +210,15 @@ class LLMEngine:
         scheduler = Scheduler(SchedulerConfig(args.max_num_batched_tokens, args.max_num_seqs,
                                               max_model_len, args.audit_interval_steps,
                                               args.idle_audit_interval_s,
-                                              PreemptionMode(args.preemption_mode)), kv_cache)
+                                              PreemptionMode(args.preemption_mode),
+                                              args.max_loras), kv_cache)
         limits = EngineLimits(max_model_len, args.max_num_seqs, args.max_num_batched_tokens,
                               args.block_size, num_blocks)
         info = EngineInfo(name, Path(loaded.path), config.vocab_size, limits,
                           kv_layout(kv_caches), block_payload_bytes(kv_caches), args)
         engine = cls(info, tokenizer, scheduler, executor, eos, grammars=grammars,
                      collective_stats=collective_stats)
+        engine.lora = lora
         if isinstance(executor, TensorParallelExecutor):
             weakref.finalize(engine, executor.close)  # the other ranks never outlive rank 0
         return engine
@@ -245,6 +254,7 @@ class LLMEngine:
         kv_import: bool = False,
         on_finish: Callable[[LLMEngine, RequestOutput], None] | None = None,
         max_tokens_within_context: bool = False,
+        lora: AdapterRef | None = None,
     ) -> None:
         """Queue a request. Raises ValueError (nothing queued) for an empty or too-long prompt,
         token ids outside the vocabulary, or a request id already in use. `kv_import`: the
@@ -254,8 +264,11 @@ class LLMEngine:
         `deadline` / `first_token_deadline` (engine clock): the request ends with TIMEOUT when
         it is not done / has no output token by then. `max_tokens_within_context`: refuse (as
         vLLM's server does) a prompt plus max_tokens beyond max_model_len, instead of ending
-        the output at the context."""
+        the output at the context. `lora`: the adapter to run under (None: the base model).
+        """
         params = params or SamplingParams()
+        if lora is not None and self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters; start it with enable_lora")
         if request_id in self._outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         imports = self.kv_cache.imports
@@ -290,6 +303,7 @@ class LLMEngine:
                 deadline=deadline,
                 first_token_deadline=first_token_deadline,
                 cache_salt=cache_salt,
+                lora=lora,
                 group_id=request_id if params.n > 1 else None,
             )
             for i in range(params.n)
@@ -409,7 +423,8 @@ class LLMEngine:
         counts = self.core.counts()
         return EngineStats(counts.num_running, counts.num_waiting, counts.num_preemptions,
                            self.kv_cache.stats(), self.last_audit, self.step_tokens.snapshot(),
-                           counts.num_waiting_deferred)
+                           counts.num_waiting_deferred, counts.running_loras,
+                           counts.waiting_loras)
 
     def _record_audit(self, report: AuditReport) -> None:
         self.last_audit = report

@@ -23,6 +23,7 @@ from kvserve.server.kv.prefill import PrefillRequest, PrefillService
 from kvserve.server.kv.publisher import ZmqKVEventPublisher
 from kvserve.server.kv.pull import KVPuller
 from kvserve.server.limits import BodySizeLimit, EchoRequestId
+from kvserve.server.lora_routes import adapter_cards, add_lora_routes
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvserve.server.serving import (
@@ -117,6 +118,9 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
         _check_key(request, admin_key, "admin key")
 
     add_vllm_routes(app, tokenizer, model_name, engine.info.limits.max_model_len, require_api_key)
+    add_lora_routes(app, engine, require_admin_key)
+    if publisher is not None and engine.lora is not None:
+        publisher.adapter_names = engine.lora.name_of
 
     def pull_source(raw: Request) -> str | None:
         """The prefill worker the gateway named for this request, or None. Honoured only on a
@@ -160,7 +164,8 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
     async def models() -> dict[str, object]:
         return {"object": "list", "data": [model_card(
             model_name, str(engine.info.model_path or model_name), started,
-            engine.info.limits.max_model_len)]}
+            engine.info.limits.max_model_len)] + adapter_cards(
+                engine.lora, model_name, started, engine.info.limits.max_model_len)}
 
     @app.get("/kv/events", dependencies=[Depends(require_admin_key)])
     async def kv_events(after: int = 0, limit: int = 4096, wait: float = 0.0) -> dict[str, object]:

@@ -102,6 +102,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--collective-timeout", dest="collective_timeout_s", type=float,
                    default=60.0, help="seconds a collective may take before the step fails "
                    "and the worker exits non-zero (tensor parallelism; default 60)")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT format): a request's model names one")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="adapters to load at start: NAME=PATH or JSON "
+                        '{"name": ..., "path": ..., "base_model_name": ...}')
+    p.add_argument("--max-loras", type=int, default=1,
+                   help="distinct adapters in one batch (their device slots; default 1)")
+    p.add_argument("--max-lora-rank", type=int, default=16,
+                   help="the largest adapter rank accepted (slots are this wide; default 16)")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="adapters kept in host memory (default: --max-loras)")
     p.add_argument("--nnodes", type=int, default=1,
                    help="nodes the tensor-parallel ranks span (each runs "
                         "tensor-parallel-size / nnodes ranks; set MASTER_ADDR and MASTER_PORT "
@@ -131,6 +142,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         collective_timeout_s=args.collective_timeout_s,
         revision=args.revision, download_dir=args.download_dir, tokenizer=args.tokenizer,
         hf_config_path=args.hf_config_path,
+        enable_lora=args.enable_lora, max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
     )
 
 
@@ -230,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.runtime.tp.launch import Rendezvous, run_node
     from kvserve.runtime.tp.worker import run_rank
     from kvserve.server.app import create_app
+    from kvserve.server.lora_routes import parse_lora_modules, register_lora_modules
 
     console = Console(stderr=True)
     try:
@@ -256,8 +270,12 @@ def run(args: argparse.Namespace) -> int:
                 os._exit(code)  # as tp_worker: a failed gloo group aborts in teardown
             if rendezvous.node_rank:
                 return run_node(engine_args, rendezvous)
+        modules = parse_lora_modules(args.lora_modules)
+        if modules and not args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
         with console.status(f"loading {args.model or 'the default model'} …"):
             engine = LLMEngine.from_args(engine_args, rendezvous)
+            register_lora_modules(engine, modules)
     except (ValueError, OSError, RuntimeError) as exc:
         console.print(f"[red]cannot start: {escape(str(exc))}[/]", soft_wrap=True)
         return 2

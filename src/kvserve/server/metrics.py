@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from kvserve.kvcache import FreeReason, HostTierStats
 from kvserve.runtime import AsyncEngine, RequestOutput
 from kvserve.server.collective_metrics import CollectiveCollector
+from kvserve.server.lora_metrics import LoRACollector
 from kvserve.server.vllm.metrics import VLLMEngineFamilies, VLLMRequestMetrics
 
 MAX_TENANT_LABELS = 32  # bounded label cardinality; later tenants share "other"
@@ -194,6 +195,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry.register(EngineCollector(engine, model_name))
         self.registry.register(CollectiveCollector(engine, model_name))
+        self.registry.register(LoRACollector(engine))
         label = ["model_name"]
         reg = self.registry
         self.vllm = VLLMRequestMetrics(reg, model_name, engine.info.limits.max_model_len)

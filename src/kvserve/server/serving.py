@@ -23,6 +23,7 @@ from fastapi import Request
 
 from kvserve.client_timeout import BadTimeout, client_timeout_s
 from kvserve.engine import FinishReason, SamplingParams
+from kvserve.engine.lora import AdapterRef
 from kvserve.runtime import AsyncEngine, RequestOutput
 from kvserve.server.errors import APIError
 from kvserve.server.kv.pull import KVPuller, KVTransferFailed
@@ -42,6 +43,7 @@ class Call:
     timeout_s: float | None = None
     response_deadline: float | None = None
     cache_salt: str | None = None  # the salt this worker accepted (kvserve.server.trust)
+    lora: AdapterRef | None = None  # the LoRA adapter the request's `model` names
 
     def check_timed_out(self, outputs: Sequence[RequestOutput]) -> None:
         """Raise APIError 504 when the client's deadline ended every sample before a token."""
@@ -110,10 +112,14 @@ class Serving:
         """Check the model name, the engine and who may salt (`SaltTrust`); raises APIError
         (404/503/403) otherwise.
         Admission (429) is decided when the request's stream starts."""
+        lora = None
         if model is not None and model != self.model_name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves "
-                           f"{self.model_name!r} (see /v1/models)", param="model",
-                           err_type="not_found_error")
+            registry = self.engine.lora
+            entry = registry.entries.get(model) if registry is not None else None
+            if entry is None:  # vLLM's message and type
+                raise APIError(404, f"The model `{model}` does not exist.", param="model",
+                               err_type="NotFoundError")
+            lora = entry.ref
         if not self.engine.is_running:
             raise APIError(503, "the engine is not running", err_type="service_unavailable")
         try:
@@ -127,7 +133,7 @@ class Serving:
         tenant = tenant_label(named, accepted.cache_salt)
         return Call(request_id, tenant, int(time.time()), timeout_s,
                     None if timeout_s is None else time.monotonic() + timeout_s,
-                    accepted.cache_salt)
+                    accepted.cache_salt, lora)
 
     async def stream(
         self,
@@ -143,6 +149,9 @@ class Serving:
         anything is yielded for it. With `pull_from` (a prefill worker's URL; n = 1 only),
         each prompt's KV is pulled from there first; a failed pull is an APIError (502).
         The client's deadline bounds the first token when `streamed`, else the whole answer."""
+        if pull_from is not None and call.lora is not None:
+            raise APIError(400, "disaggregated prefill does not carry LoRA adapters yet: send "
+                           "adapter requests to a --role both worker", param="model")
         # Check and count in one step (no await between): a flood of requests that all passed
         # the route's awaits together must not all be admitted.
         if self.in_flight >= self.capacity:
@@ -176,7 +185,7 @@ class Serving:
                     except KVTransferFailed as exc:
                         raise APIError(502, str(exc), err_type="upstream_error") from None
                 async for output in self.engine.generate(engine_id, prompt, params,
-                                                         cache_salt=cache_salt,
+                                                         cache_salt=cache_salt, lora=call.lora,
                                                          deadline=deadline, kv_import=pull,
                                                          first_token_deadline=first_token_deadline,
                                                          max_tokens_within_context=True):

@@ -40,6 +40,7 @@ CHAT_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id")
 
 _TEXT_DOMAIN = b"kvserve.gateway.text.v1"
 _NONE_KEY = b"\xff\xff\xff\xff"
+_DIGEST_TAG = b"\xfe\xff\xff\xff"  # kvcache.hashing.ADAPTER_DIGEST_TAG: a length no string has
 _NO_EXTRA = (0).to_bytes(4, "little")
 
 
@@ -93,10 +94,17 @@ def text_block_hashes(
     return tuple(hashes)
 
 
-def engine_extra_keys(model_id: str, adapter_id: str | None, salt: str | None) -> bytes:
+def engine_extra_keys(model_id: str, adapter_digest: bytes | None, salt: str | None) -> bytes:
     """The first block's extra keys exactly as kvserve.kvcache encodes them
-    (`encode_extra_keys(model_id, adapter_id, salt)`)."""
-    return _frame(model_id) + _frame(adapter_id) + _frame(salt)
+    (`encode_extra_keys(model_id, adapter_digest, salt)`): typed fields, the adapter by the
+    32-byte sha256 digest of its weights and config (None: the base model)."""
+    if adapter_digest is None:
+        adapter = _NONE_KEY
+    elif len(adapter_digest) == 32:
+        adapter = _DIGEST_TAG + adapter_digest
+    else:
+        raise ValueError(f"an adapter digest is 32 bytes, got {len(adapter_digest)}")
+    return _frame(model_id) + adapter + _frame(salt)
 
 
 def engine_block_hashes(
@@ -104,18 +112,18 @@ def engine_block_hashes(
     block_size: int = DEFAULT_BLOCK_TOKENS,
     salt: str | None = None,
     model_id: str = "",
-    adapter_id: str | None = None,
+    adapter_digest: bytes | None = None,
 ) -> tuple[bytes, ...]:
     """The block hashes a kvserve worker computes for `token_ids`, byte for byte: hash(block i) =
     sha256(parent | framed extra | int64-le token ids), parent of block 0 = 32 zero bytes, block
-    0's extra = (model_id, adapter_id, salt), later blocks' extra empty. Full blocks only.
+    0's extra = (model_id, adapter_digest, salt), later blocks' extra empty. Full blocks only.
     `block_size`, `salt` and `model_id` must be the worker's own, or nothing will match."""
     # Invariant: equal to kvserve.kvcache.hashing.chain_hashes from ROOT_HASH (pinned by a test).
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     packer = struct.Struct(f"<{block_size}q")
     sha256 = hashlib.sha256
-    extra = engine_extra_keys(model_id, adapter_id, salt)
+    extra = engine_extra_keys(model_id, adapter_digest, salt)
     framed = len(extra).to_bytes(4, "little") + extra
     parent = ROOT_HASH
     hashes: list[bytes] = []
@@ -182,9 +190,9 @@ class RouteKey:
         *,
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         model_id: str = "",
-        adapter_id: str | None = None,
+        adapter_digest: bytes | None = None,
     ) -> Self:
         """Key a tokenized prompt exactly as a kvserve worker hashes it (`engine_block_hashes`,
         the tenant as the cache salt): what the `precise` policy needs."""
-        hashes = engine_block_hashes(token_ids, block_tokens, tenant, model_id, adapter_id)
+        hashes = engine_block_hashes(token_ids, block_tokens, tenant, model_id, adapter_digest)
         return cls(hashes, tenant, len(token_ids), block_tokens)

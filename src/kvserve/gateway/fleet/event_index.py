@@ -8,7 +8,11 @@ only to find a block again: a child's parent, and a `BlockRemoved`.
 
 The salt of a chain's first block comes from the event's `extra_keys` (vLLM sends the request's
 `cache_salt` there, after the LoRA name when there is one); the gateway injects the tenant's salt
-as `cache_salt`, so the keys agree. A block is held per medium (GPU, CPU, disk...): moved to CPU
+as `cache_salt`, so the keys agree. A LoRA adapter is keyed by its digest in its own typed field
+(`kvevents.wire.parse_first_block_keys`): kvserve workers send the digest of the adapter's weights
+in `extra_keys`; a vLLM worker's adapter is keyed by its name. So a LoRA block never keys as a
+base-model block nor as another adapter's, and the keys of kvserve's blocks equal the workers'
+own hashes. A block is held per medium (GPU, CPU, disk...): moved to CPU
 it still counts as cached, and goes only when no medium holds it. A block whose parent this feed
 never saw (events lost) cannot be keyed and is skipped (`num_orphans`).
 """
@@ -29,6 +33,7 @@ from kvserve.kvevents.wire import (
     RemovedBlocks,
     StoredBlocks,
     WireEvent,
+    parse_first_block_keys,
 )
 
 log = logging.getLogger(__name__)
@@ -60,10 +65,7 @@ def first_block_salt(extra: tuple[object, ...] | None, lora_name: str | None) ->
     LoRA name (when the event names one); None when the request was not salted."""
     if not extra:
         return None
-    values = list(extra)
-    if lora_name is not None and values and values[0] == lora_name:
-        values = values[1:]
-    return next((v for v in values if isinstance(v, str)), None)
+    return parse_first_block_keys(extra, lora_name)[1]
 
 
 class WorkerIndexFeed:
@@ -144,8 +146,8 @@ class WorkerIndexFeed:
             extra = None
             if parent == ROOT_HASH:
                 block_extra = event.extra_keys[idx] if event.extra_keys is not None else None
-                extra = engine_extra_keys(self.model_id, event.lora_name,
-                                          first_block_salt(block_extra, event.lora_name))
+                digest, salt = parse_first_block_keys(block_extra, event.lora_name)
+                extra = engine_extra_keys(self.model_id, digest, salt)
             key = engine_block_hash(parent, event.token_ids[idx * size:(idx + 1) * size], extra)
             entry = self._entries.get((rank, external))
             if entry is None:

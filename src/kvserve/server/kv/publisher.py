@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 
@@ -26,6 +26,7 @@ from kvserve.kvevents.wire import (
     RemovedBlocks,
     StoredBlocks,
     WireEvent,
+    adapter_extra_key,
     encode_batch,
     encode_message,
 )
@@ -35,15 +36,27 @@ log = logging.getLogger(__name__)
 _END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
-def wire_event(event: KVEvent) -> WireEvent:
-    """kvserve's event as vLLM names it; a first block carries the cache salt in its extra
-    keys, as vLLM's do."""
+def wire_event(event: KVEvent,
+               adapter_name: Callable[[bytes], str | None] | None = None) -> WireEvent:
+    """kvserve's event as vLLM names it; a first block carries its extra keys as vLLM's do:
+    the LoRA adapter first (kvserve: its digest, `kvevents.wire.adapter_extra_key`), then the
+    cache salt. `lora_name` is the adapter's name (`adapter_name(digest)`), for people and
+    for routers that want it; the digest is the identity."""
     if isinstance(event, BlockStored):
         extra = None
-        if event.parent_block_hash is None and event.cache_salt:
-            extra = ((event.cache_salt,),) + (None,) * (len(event.block_hashes) - 1)
+        keys: tuple[str, ...] = ()
+        if event.adapter_digest is not None:
+            keys += (adapter_extra_key(event.adapter_digest),)
+        if event.cache_salt:
+            keys += (event.cache_salt,)
+        if event.parent_block_hash is None and keys:
+            extra = (keys,) + (None,) * (len(event.block_hashes) - 1)
+        name = None
+        if event.adapter_digest is not None:
+            name = (adapter_name(event.adapter_digest) if adapter_name is not None
+                    else None) or event.adapter_digest.hex()[:16]
         return StoredBlocks(event.block_hashes, event.parent_block_hash, event.token_ids,
-                            event.block_size, MEDIUM_GPU, None, extra)
+                            event.block_size, MEDIUM_GPU, name, extra)
     if isinstance(event, BlockRemoved):
         return RemovedBlocks(event.block_hashes, MEDIUM_GPU)
     if isinstance(event, AllBlocksCleared):
@@ -76,6 +89,8 @@ class ZmqKVEventPublisher:
             raise ValueError(f"--kv-events-config: cannot open {config.endpoint!r} / "
                              f"{config.replay_endpoint!r}: {exc}") from exc
         self.num_dropped = 0
+        # digest -> the LoRA adapter's name, for events' `lora_name` (set by the app; None: no LoRA)
+        self.adapter_names: Callable[[bytes], str | None] | None = None
         self._topic = config.topic
         self._thread = threading.Thread(target=self._run, name="kv-event-publisher",
                                         daemon=True)
@@ -84,7 +99,8 @@ class ZmqKVEventPublisher:
     def publish(self, events: Sequence[KVEvent]) -> None:
         """Queue one engine step's events as one batch (from the engine thread; never blocks:
         a full queue drops the batch, which a subscriber sees as a gap)."""
-        payload = encode_batch(time.time(), [wire_event(e) for e in events], self.rank)
+        payload = encode_batch(time.time(), [wire_event(e, self.adapter_names) for e in events],
+                               self.rank)
         try:
             self._queue.put_nowait(payload)
         except queue.Full:

@@ -25,7 +25,6 @@ ALREADY_SO = {
 REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
     (("--quantization", "-q"), True,
      "kvserve serves unquantized checkpoints (float32, bfloat16, float16); leave it out"),
-    (("--enable-lora",), False, "kvserve serves no LoRA adapters; merge the adapter first"),
     (("--speculative-config",), True, "kvserve has no speculative decoding; leave it out"),
     (("--enable-sleep-mode",), False, "kvserve has no sleep mode; stop the worker instead"),
     (("--ssl-keyfile", "--ssl-certfile"), True,
