@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 from pathlib import Path
 
 
@@ -42,6 +43,8 @@ def run_chaos(args: argparse.Namespace) -> int:
         raise SystemExit(f"--faults: unknown {unknown}; choose from {', '.join(FAULTS)}")
     if args.workers < 2:
         raise SystemExit("--workers must be at least 2 (a fault takes one out)")
+    # SIGTERM (timeout, kill) must still stop the fleet: the run's `finally` does, on an exit.
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     config = Config(args.out, args.duration_s, faults, args.workers, args.rps, args.warmup_s,
                     args.settle_s, args.interval_s, args.model, not args.no_envoy, args.seed,
                     args.hold_scale, args.cycles)
@@ -50,3 +53,7 @@ def run_chaos(args: argparse.Namespace) -> int:
 
     verdicts = write_report(args.out)
     return 0 if verdicts["pass"] else 1
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

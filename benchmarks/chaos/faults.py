@@ -31,6 +31,7 @@ class Fault:
     may: frozenset[str] = frozenset()
     doctor: str | None = None
     target: int | None = None  # the worker it always hits (else the run's turn)
+    busy: bool = False  # it shows only on a worker with requests: send it some directly
     available: Callable[[Fleet], str | None] = lambda fleet: None  # why not, if it cannot run
 
 
@@ -150,20 +151,24 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("picker_restart", "the picker behind Envoy SIGKILLed, then started again",
           _epp_kill, _epp_start, 15.0, may=frozenset({"KVServeWorkerScrapeDown"})),
     Fault("corruption", "a block in use reassigned under a live request (the worker restarted "
-          "gracefully with KVSERVE_KV_FAULT=reassign:20)",
-          lambda f, i: _restart(f, i, CORRUPT), lambda f, i: None, 30.0,
+          "gracefully with KVSERVE_KV_FAULT=reassign:20; recovered by a plain restart)",
+          lambda f, i: _restart(f, i, CORRUPT), lambda f, i: _restart(f, i), 30.0,
           must=frozenset({"KVServeCacheCorruption"}), may=RESTART_ALERTS,
-          doctor="corruption"),
+          doctor="corruption", busy=True),
     Fault("disk_full", "worker0's disk-tier filesystem (a tmpfs) filled up, then emptied",
-          _fill, _unfill, 30.0, target=0, available=_has_disk),
+          _fill, _unfill, 30.0, target=0, available=_has_disk, busy=True),
     Fault("tp_stall", "rank 1 of the tensor-parallel worker stalls 0.1 s before each step "
           "(steps 20-400): every all_reduce waits on it (restarted with KVSERVE_TP_FAULT)",
           _tp_restart({**HOOKS, "KVSERVE_TP_FAULT": "1:20-400:delay:0.1"}),
-          _tp_restart(None), 45.0, must=frozenset({"KVServeAllReduceSlow"}),
-          may=RESTART_ALERTS, doctor="collective", available=_has_tp),
+          _tp_restart(None), 90.0, must=frozenset({"KVServeAllReduceSlow"}),
+          may=RESTART_ALERTS, doctor="collective", available=_has_tp, busy=True),
+    # The worker exits as soon as its group fails (its supervisor restarts it): by the time
+    # the doctor reads it, it can only say the worker is down; the collective error is in
+    # the worker's last words and, if a scrape fell in between, KVServeCollectiveErrors.
     Fault("tp_lost_rank", "rank 1 of the tensor-parallel worker exits at step 20 (restarted "
           "with KVSERVE_TP_FAULT), then the worker is started again",
           _tp_restart({**HOOKS, "KVSERVE_TP_FAULT": "1:20:exit"}), _tp_start_again, 30.0,
-          must=frozenset({"KVServeCollectiveErrors"}), may=RESTART_ALERTS,
-          doctor="collective", available=_has_tp),
+          must=frozenset({"KVServeWorkerScrapeDown"}),
+          may=RESTART_ALERTS | {"KVServeCollectiveErrors"}, doctor="down", available=_has_tp,
+          busy=True),
 ]}

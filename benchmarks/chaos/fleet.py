@@ -78,7 +78,7 @@ def worker_argv(port: int, pub_port: int, replay_port: int, model: str | None,
 
 
 DISK_TMPFS = "8m"  # worker0's disk tier (4 MB) and room for as much again
-DISK_TIER = ["--num-kv-blocks", "64", "--kv-host-tier-bytes", "1000000",
+DISK_TIER = ["--num-kv-blocks", "64", "--max-model-len", "192", "--kv-host-tier-bytes", "1000000",
              "--kv-disk-tier-bytes", "4000000"]  # a small device pool: blocks reach the disk
 
 

@@ -70,6 +70,7 @@ class Load:
         self.outcomes: list[Outcome] = []
         self.shed = 0
         self._lock = threading.Lock()
+        self._focus: str | None = None  # an entry that takes half the arrivals for a while
         self._paused = threading.Event()
         self._stop = threading.Event()
         self._log = (out / "requests.jsonl").open("a", encoding="utf-8")
@@ -90,6 +91,14 @@ class Load:
         self.quiesce(drain_s)
         self.pool.shutdown(wait=True, cancel_futures=True)
         self._log.close()
+
+    def focus(self, name: str | None, url: str | None = None) -> None:
+        """Send half the arrivals straight to `url` (a worker a fault needs busy: a client
+        that bypasses the gateways), as entry `name`; None ends it."""
+        if name is not None and url is not None and name not in self.clients:
+            self.clients[name] = self._client(url, SDK_RETRIES, REQUEST_TIMEOUT_S)
+            self.short[name] = self._client(url, 0, 0.3)
+        self._focus = name
 
     def pause(self) -> None:
         self._paused.set()
@@ -126,6 +135,9 @@ class Load:
                                     [70, 15, 8, 7])[0]
             order = list(self.entries)
             self.rng.shuffle(order)
+            focus = self._focus
+            if focus is not None and self.rng.random() < 0.5:
+                order = [focus, *order]  # and a gateway next, should the worker refuse
             self.pool.submit(self._one, tenant, kind, order, self.rng.randrange(1 << 30))
 
     def _one(self, tenant: int, kind: str, order: Sequence[str], seed: int) -> None:

@@ -122,6 +122,8 @@ def run(config: Config) -> RunLog:
                     break
                 continue
             target = fault.target if fault.target is not None else k % config.workers
+            if fault.name.startswith("tp_") and fleet.tp_index is not None:
+                target = fleet.tp_index
             log.faults.append(inject_one(fleet, load, fault, target, config))
             _save(log)
         load.stop()
@@ -143,17 +145,24 @@ def inject_one(fleet: Fleet, load: Load, fault: Fault, target: int,
     row: dict[str, Any] = {"fault": fault.name, "what": fault.what, "target": target,
                            "inject": time.time()}
     hold_s = fault.hold_s * config.hold_scale
-    fault.inject(fleet, target)
+    if fault.busy:
+        load.focus(f"direct:worker{target}", fleet.workers[target].url)
+    try:
+        fault.inject(fleet, target)
+        row["inject_error"] = None
+    except Exception as exc:  # recorded as a finding; the run goes on
+        row["inject_error"] = f"{type(exc).__name__}: {exc}"[-500:]
     time.sleep(min(hold_s / 2, 8.0))
     gateways = [gateway_url(g) for g in fleet.gateways if g.alive()][:1]
     row["doctor_during"] = run_doctor(gateways or [fleet.workers[target].url])
     time.sleep(max(0.0, hold_s - (time.time() - row["inject"])))
+    load.focus(None)
     row["recover"] = time.time()
     try:
         fault.recover(fleet, target)
         row["recover_error"] = None
-    except RuntimeError as exc:
-        row["recover_error"] = str(exc)[-500:]
+    except Exception as exc:  # recorded as a finding; the run goes on
+        row["recover_error"] = f"{type(exc).__name__}: {exc}"[-500:]
     took = wait_whole(fleet, config.workers, RECOVER_BOUND_S)
     row["recovered"] = None if took is None else time.time()
     time.sleep(config.settle_s)

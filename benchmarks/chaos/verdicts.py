@@ -112,7 +112,8 @@ def judge(out: Path) -> dict[str, Any]:
             and after <= STICKY.get(f["fault"], set()),
             "recover_s": None if f["recovered"] is None else f["recovered"] - f["recover"],
             "affected": dict(Counter(r["outcome"] for r in affected)),
-            "quiet_clean": f["quiet"]["clean"], "recover_error": f["recover_error"]})
+            "quiet_clean": f["quiet"]["clean"], "recover_error": f["recover_error"],
+            "inject_error": f.get("inject_error")})
     unexplained = [s for i, s in enumerate(spans) if i not in explained]
     checks = run["quiet_checks"] + [f["quiet"] for f in run["faults"]]
     warm = run["began"] + float(run["config"]["warmup_s"])
@@ -124,7 +125,8 @@ def judge(out: Path) -> dict[str, Any]:
         "alerts_fired": all(not p["missing_alerts"] for p in per_fault),
         "doctor_named": all(p["named"] and p["others_ruled_out"] for p in per_fault),
         "no_unexplained_alert": not unexplained,
-        "recovered": all(p["recovered"] is not None for p in per_fault),
+        "recovered": all(p["recovered"] is not None and not p["recover_error"]
+                         and not p["inject_error"] for p in per_fault),
     }
     result = {"outcomes": dict(outcomes), "requests": len(requests), "faults": per_fault,
               "unexplained_alerts": unexplained, "alerts": spans, "growth": grown,
