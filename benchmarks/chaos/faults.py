@@ -17,7 +17,9 @@ DOWN_ALERTS = frozenset({"KVServeWorkerScrapeDown", "KVServeGatewayWorkerUnhealt
 # A worker started again has an empty cache: its hit rate collapses, rightly, for a while.
 RESTART_ALERTS = DOWN_ALERTS | {"KVServePrefixHitRateCollapse"}
 HOOKS = {"KVSERVE_TEST_HOOKS": "1"}
-CORRUPT = {**HOOKS, "KVSERVE_KV_FAULT": "reassign:20"}
+# Late enough that the restarted worker was scraped at 0 first: a counter first seen at 1
+# is no increase to Prometheus, and the alert would never fire.
+CORRUPT = {**HOOKS, "KVSERVE_KV_FAULT": "reassign:150"}
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("picker_restart", "the picker behind Envoy SIGKILLed, then started again",
           _epp_kill, _epp_start, 15.0, may=frozenset({"KVServeWorkerScrapeDown"})),
     Fault("corruption", "a block in use reassigned under a live request (the worker restarted "
-          "gracefully with KVSERVE_KV_FAULT=reassign:20; recovered by a plain restart)",
+          "gracefully with KVSERVE_KV_FAULT=reassign:150; recovered by a plain restart)",
           lambda f, i: _restart(f, i, CORRUPT), lambda f, i: _restart(f, i), 30.0,
           must=frozenset({"KVServeCacheCorruption"}), may=RESTART_ALERTS,
           doctor="corruption", busy=True),

@@ -152,7 +152,7 @@ def inject_one(fleet: Fleet, load: Load, fault: Fault, target: int,
         row["inject_error"] = None
     except Exception as exc:  # recorded as a finding; the run goes on
         row["inject_error"] = f"{type(exc).__name__}: {exc}"[-500:]
-    time.sleep(min(hold_s / 2, 8.0))
+    time.sleep(max(hold_s / 2, hold_s - 12.0))  # the doctor reads the fault established
     gateways = [gateway_url(g) for g in fleet.gateways if g.alive()][:1]
     row["doctor_during"] = run_doctor(gateways or [fleet.workers[target].url])
     time.sleep(max(0.0, hold_s - (time.time() - row["inject"])))
