@@ -25,7 +25,9 @@ def run_doctor(urls: list[str], interval_s: float = 2.0) -> dict[str, Any]:
     problems: dict[str, list[str]] = {}
     for f in report.get("findings", []):
         if f["severity"] != "info":
-            problems.setdefault(f["problem"], []).append(f"{f['target']}: {f['title']}"[:160])
+            evidence = "; ".join(f["evidence"][:2])
+            problems.setdefault(f["problem"], []).append(
+                f"{f['target']}: {f['title']} ({evidence})"[:300])
     diff = [line for f in report.get("findings", [])
             if f["title"].startswith("differential diagnosis") for line in f["evidence"]]
     return {"t": began, "ended": time.time(), "exit": done.returncode, "problems": problems,

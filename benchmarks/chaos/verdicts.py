@@ -17,6 +17,10 @@ from benchmarks.chaos.faults import FAULTS
 RSS_BOUND_MIB, RSS_BOUND_FRACTION = 48.0, 0.10  # growth after warm-up: max of the two
 FDS_BOUND, THREADS_BOUND = 16, 8
 STICKY = {"corruption": {"corruption"}}  # counted since start: still named after recovery
+# What every fault may bring about under load, during it and while the fleet catches up:
+# retries, clients resending, slow answers ("the fleet is saturated", a warning). Shown in the
+# report; not counted as a cause the doctor failed to rule out.
+CONSEQUENCES = {"saturation"}
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
@@ -109,7 +113,7 @@ def judge(out: Path) -> dict[str, Any]:
             "name_s": (f["doctor_during"]["ended"] - f["inject"]
                        if fault.doctor in during else None),
             "others_ruled_out": during <= ({fault.doctor} if fault.doctor else set())
-            and after <= STICKY.get(f["fault"], set()),
+            | CONSEQUENCES and after <= STICKY.get(f["fault"], set()) | CONSEQUENCES,
             "recover_s": None if f["recovered"] is None else f["recovered"] - f["recover"],
             "affected": dict(Counter(r["outcome"] for r in affected)),
             "quiet_clean": f["quiet"]["clean"], "recover_error": f["recover_error"],
