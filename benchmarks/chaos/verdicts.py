@@ -21,6 +21,9 @@ STICKY = {"corruption": {"corruption"}}  # counted since start: still named afte
 # retries, clients resending, slow answers ("the fleet is saturated", a warning). Shown in the
 # report; not counted as a cause the doctor failed to rule out.
 CONSEQUENCES = {"saturation"}
+# Alerts on the clients' answer to any fault that delays answers (SDK retries and resends):
+# true while the fault lasts, so allowed in any fault's window, never outside one.
+CONSEQUENCE_ALERTS = {"KVServeClientsResending", "KVServeGatewayRetryStorm"}
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
@@ -95,7 +98,7 @@ def judge(out: Path) -> dict[str, Any]:
         back = f["recovered"] or f["end"]
         window = (f["inject"], back + settle + 4 * interval)
         fired = [i for i, s in enumerate(spans) if window[0] <= s["start"] <= window[1]
-                 and s["alert"] in fault.must | fault.may]
+                 and s["alert"] in fault.must | fault.may | CONSEQUENCE_ALERTS]
         explained |= set(fired)
         names = {spans[i]["alert"] for i in fired}
         during = set(f["doctor_during"]["problems"])
