@@ -160,8 +160,9 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("disk_full", "worker0's disk-tier filesystem (a tmpfs) filled up, then emptied",
           _fill, _unfill, 30.0, target=0, available=_has_disk, busy=True),
     Fault("tp_stall", "rank 1 of the tensor-parallel worker stalls 0.1 s before each step "
-          "(steps 20-400): every all_reduce waits on it (restarted with KVSERVE_TP_FAULT)",
-          _tp_restart({**HOOKS, "KVSERVE_TP_FAULT": "1:20-400:delay:0.1"}),
+          "(from step 20 until recovered): every all_reduce waits on it (restarted with "
+          "KVSERVE_TP_FAULT)",
+          _tp_restart({**HOOKS, "KVSERVE_TP_FAULT": "1:20-100000:delay:0.1"}),
           _tp_restart(None), 90.0, must=frozenset({"KVServeAllReduceSlow"}),
           may=RESTART_ALERTS, doctor="collective", available=_has_tp, busy=True),
     # The worker exits as soon as its group fails (its supervisor restarts it): by the time
