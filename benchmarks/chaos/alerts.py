@@ -14,7 +14,16 @@ from pathlib import Path
 from benchmarks.chaos.recorder import RULES
 
 _GOT = re.compile(r'\{alertname="([^"]+)", instance="([^"]+)"\}')
-_TIME = re.compile(r"time: (\d+)m")
+_TIME = re.compile(r"time: ([0-9ywdhms]+),")
+_UNIT_MINUTES = {"y": 365 * 24 * 60, "w": 7 * 24 * 60, "d": 24 * 60, "h": 60, "m": 1}
+
+
+def eval_minutes(text: str) -> int:
+    """promtool's eval time (Prometheus's duration form: `1h5m`, `2d3h`, `45m`) in minutes."""
+    parts = re.findall(r"(\d+)(ms|[ywdhms])", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"not a Prometheus duration: {text!r}")
+    return sum(int(n) * _UNIT_MINUTES.get(u, 0) for n, u in parts)
 
 
 def _values(column: list[float | None]) -> str:
@@ -58,7 +67,7 @@ def firing(series: dict[str, tuple[str, list[dict[str, float]]]], work: Path,
     current, in_got = None, False
     for line in (done.stdout + done.stderr).splitlines():
         if (m := _TIME.search(line)) is not None:
-            current, in_got = int(m.group(1)), False
+            current, in_got = eval_minutes(m.group(1)), False
         in_got = in_got or "got:" in line
         if in_got and current is not None:
             out[current] |= set(_GOT.findall(line))

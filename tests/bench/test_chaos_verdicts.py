@@ -11,17 +11,20 @@ from typing import Any
 
 import pytest
 
+from benchmarks.chaos.alerts import eval_minutes
 from benchmarks.chaos.verdicts import judge
 
 T0 = 1_000_000.0
 STEP = 5.0
-SCRAPES = 40
-DOWN = range(10, 18)  # worker0 does not answer its scrapes here
-FAULT = {"fault": "worker_stop", "what": "planted", "target": 0, "inject": T0 + 10 * STEP,
-         "inject_error": None, "recover": T0 + 18 * STEP, "recovered": T0 + 18.5 * STEP,
-         "recover_error": None, "end": T0 + 22 * STEP,
-         "doctor_during": {"t": 0, "ended": T0 + 14 * STEP, "problems": {"down": ["w0"]}},
-         "doctor_after": {"t": 0, "ended": T0 + 22 * STEP, "problems": {}},
+SCRAPES = 100
+# worker0 does not answer its scrapes here: past an hour of rule time, where promtool writes
+# eval times as `1h12m` (read as 12 minutes, the alert landed an hour early, unexplained)
+DOWN = range(70, 78)
+FAULT = {"fault": "worker_stop", "what": "planted", "target": 0, "inject": T0 + 70 * STEP,
+         "inject_error": None, "recover": T0 + 78 * STEP, "recovered": T0 + 78.5 * STEP,
+         "recover_error": None, "end": T0 + 82 * STEP,
+         "doctor_during": {"t": 0, "ended": T0 + 74 * STEP, "problems": {"down": ["w0"]}},
+         "doctor_after": {"t": 0, "ended": T0 + 82 * STEP, "problems": {}},
          "quiet": {"clean": True}}
 
 
@@ -69,7 +72,7 @@ def test_a_lost_request_fails_the_run(tmp_path: Path) -> None:
 
 
 def test_an_alert_no_fault_explains_fails_the_run(tmp_path: Path) -> None:
-    plant(tmp_path / "run", corruption_at=30)  # long after the fault's window
+    plant(tmp_path / "run", corruption_at=92)  # long after the fault's window
     result = judge(tmp_path / "run")
     assert [s["alert"] for s in result["unexplained_alerts"]] == ["KVServeCacheCorruption"]
     assert result["verdicts"]["no_unexplained_alert"] is False
@@ -82,3 +85,10 @@ def test_a_fault_whose_alert_never_fired_fails_the_run(tmp_path: Path) -> None:
     result = judge(tmp_path / "run")
     assert result["faults"][0]["missing_alerts"] == ["KVServeCacheCorruption"]
     assert result["verdicts"]["alerts_fired"] is False
+
+
+def test_promtools_eval_times_read_in_minutes() -> None:
+    assert [eval_minutes(t) for t in ("0s", "45m", "1h", "1h12m", "1d2h3m")] == [
+        0, 45, 60, 72, 1563]
+    with pytest.raises(ValueError, match="duration"):
+        eval_minutes("12x")
