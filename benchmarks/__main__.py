@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from benchmarks import (
     attention_cli,
+    chaos_cli,
     disagg_cli,
     gateway_cli,
     grammar_cli,
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     preemption_cli.add_parser(commands)
     tp_cli.add_parser(commands)
     attention_cli.add_parser(commands)
+    chaos_cli.add_parser(commands)
     router_cpu_cli.add_parser(commands)
     grammar_cli.add_parser(commands)
     structured_cli.add_parser(commands)

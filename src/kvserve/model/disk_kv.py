@@ -9,7 +9,8 @@ that marks it as kvserve's, and an existing one is reused only if it carries tha
 other process holds it (an exclusive lock) — then it is zeroed. A symbolic link is never
 followed. The cache's bookkeeping (kvserve.kvcache) starts empty either way, so no slot is
 readable before this process wrote it. No flush is needed: the mapping is the only reader and
-the bytes need not survive the process.
+the bytes need not survive the process. The file's blocks are allocated when it is created, so
+a filesystem that fills up later cannot fail a write into the mapping (a SIGBUS).
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ def allocate_disk_kv_caches(config: ModelConfig, num_slots: int, block_size: int
             os.ftruncate(fd, HEADER_BYTES)  # drops whatever slots an earlier process left
             os.pwrite(fd, HEADER, 0)
             os.ftruncate(fd, HEADER_BYTES + num_bytes)  # zero-filled: no stale byte is read
+            # Reserved now: a sparse file's pages are allocated on first write, and a write
+            # into the mapping that the filesystem (full by then) cannot back is a SIGBUS.
+            os.posix_fallocate(fd, HEADER_BYTES, num_bytes)
             mapping = mmap.mmap(fd, num_bytes, offset=HEADER_BYTES)  # holds a dup of fd
         finally:
             os.close(fd)

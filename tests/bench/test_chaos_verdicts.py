@@ -1,0 +1,94 @@
+"""The chaos harness's judge on a planted recording (no fleet): promtool's firing alerts are read
+back per scrape and attributed to the fault whose window they start in; a lost request, an
+alert no fault explains, a missing alert and a dirty quiet check each fail their verdict."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks.chaos.alerts import eval_minutes
+from benchmarks.chaos.verdicts import judge
+
+T0 = 1_000_000.0
+STEP = 5.0
+SCRAPES = 100
+# worker0 does not answer its scrapes here: past an hour of rule time, where promtool writes
+# eval times as `1h12m` (read as 12 minutes, the alert landed an hour early, unexplained)
+DOWN = range(70, 78)
+FAULT = {"fault": "worker_stop", "what": "planted", "target": 0, "inject": T0 + 70 * STEP,
+         "inject_error": None, "recover": T0 + 78 * STEP, "recovered": T0 + 78.5 * STEP,
+         "recover_error": None, "end": T0 + 82 * STEP,
+         "doctor_during": {"t": 0, "ended": T0 + 74 * STEP, "problems": {"down": ["w0"]}},
+         "doctor_after": {"t": 0, "ended": T0 + 82 * STEP, "problems": {}},
+         "quiet": {"clean": True}}
+
+
+def plant(out: Path, corruption_at: int | None = None, lost: bool = False,
+          fault: dict[str, Any] | None = None) -> None:
+    out.mkdir()
+    times = [T0 + i * STEP for i in range(SCRAPES)]
+    labels = 'instance="worker0",job="kvserve-worker"'
+    scrapes = []
+    for i in range(SCRAPES):
+        if i in DOWN:
+            scrapes.append({f"up{{{labels}}}": 0.0})
+            continue
+        corrupt = 1.0 if corruption_at is not None and i >= corruption_at else 0.0
+        scrapes.append({f"up{{{labels}}}": 1.0,
+                        f"kvserve:kv_corruption_detections_total{{{labels}}}": corrupt})
+    (out / "series.json").write_text(json.dumps(
+        {"times": times, "series": {"worker0": ["kvserve-worker", scrapes]}}))
+    run = {"config": {"interval_s": STEP, "settle_s": 5.0, "warmup_s": 10.0},
+           "began": T0, "ended": T0 + SCRAPES * STEP, "faults": [fault or FAULT],
+           "quiet_checks": [{"clean": True}], "skipped": {}}
+    (out / "run.json").write_text(json.dumps(run))
+    rows = [{"began": T0 + 60, "ended": T0 + 61, "outcome": "lost" if lost else "answered"}]
+    (out / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@pytest.fixture(autouse=True)
+def _promtool() -> None:
+    if shutil.which("promtool") is None:
+        pytest.skip("promtool is not on PATH: `make tools` installs it (Debian `prometheus`)")
+
+
+def test_a_fault_with_its_alert_and_doctor_passes(tmp_path: Path) -> None:
+    plant(tmp_path / "run")
+    result = judge(tmp_path / "run")
+    (stop,) = result["faults"]
+    assert "KVServeWorkerScrapeDown" in stop["alerts"] and not stop["missing_alerts"]
+    assert stop["detect_s"] is not None and 0 < stop["detect_s"] <= 5 * STEP
+    assert result["verdicts"] == {k: True for k in result["verdicts"]}, result["verdicts"]
+
+
+def test_a_lost_request_fails_the_run(tmp_path: Path) -> None:
+    plant(tmp_path / "run", lost=True)
+    assert judge(tmp_path / "run")["verdicts"]["lost_0"] is False
+
+
+def test_an_alert_no_fault_explains_fails_the_run(tmp_path: Path) -> None:
+    plant(tmp_path / "run", corruption_at=92)  # long after the fault's window
+    result = judge(tmp_path / "run")
+    assert [s["alert"] for s in result["unexplained_alerts"]] == ["KVServeCacheCorruption"]
+    assert result["verdicts"]["no_unexplained_alert"] is False
+
+
+def test_a_fault_whose_alert_never_fired_fails_the_run(tmp_path: Path) -> None:
+    fault = {**FAULT, "fault": "corruption",
+             "doctor_during": {**FAULT["doctor_during"], "problems": {"corruption": ["w0"]}}}
+    plant(tmp_path / "run", fault=fault)
+    result = judge(tmp_path / "run")
+    assert result["faults"][0]["missing_alerts"] == ["KVServeCacheCorruption"]
+    assert result["verdicts"]["alerts_fired"] is False
+
+
+def test_promtools_eval_times_read_in_minutes() -> None:
+    assert [eval_minutes(t) for t in ("0s", "45m", "1h", "1h12m", "1d2h3m")] == [
+        0, 45, 60, 72, 1563]
+    with pytest.raises(ValueError, match="duration"):
+        eval_minutes("12x")
