@@ -18,9 +18,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from kvserve.server.errors import APIError
 from kvserve.server.settings import UntrustedSalt
-from kvserve.wire.http import SALT_KEY_HEADER
-
-TENANT_HEADER = "x-tenant-id"
+from kvserve.wire.http import SALT_KEY_HEADER, TENANT_HEADER
 
 
 @dataclass(frozen=True, slots=True)
