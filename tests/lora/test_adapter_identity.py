@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 from kvserve.engine import SamplingParams
-from kvserve.gateway.event_index import WorkerIndexFeed
-from kvserve.gateway.prefix import engine_block_hashes
+from kvserve.gateway.core.prefix import engine_block_hashes
+from kvserve.gateway.fleet.event_index import WorkerIndexFeed
 from kvserve.kvevents.wire import StoredBlocks, decode_batch, encode_batch
 from kvserve.model import write_random_checkpoint
 from kvserve.model.lora import load_peft_adapter
 from kvserve.runtime import EngineArgs, LLMEngine
 from kvserve.runtime.kv_transfer import export_prompt_blocks, prompt_block_hashes
-from kvserve.server.kv_publisher import wire_event
+from kvserve.server.kv.publisher import wire_event
 from tests.lora.adapters import write_peft_adapter
 from tests.model.arch_configs import base_config
 from tests.runtime.conftest import random_prompt

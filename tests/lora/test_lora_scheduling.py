@@ -9,7 +9,7 @@ import pytest
 
 from kvserve.engine import EngineCore, Request, SamplingParams, Scheduler, SchedulerConfig
 from kvserve.engine.lora import AdapterRef
-from kvserve.gateway.prefix import engine_extra_keys
+from kvserve.gateway.core.prefix import engine_extra_keys
 from kvserve.kvcache import KVCacheManager
 from kvserve.kvcache.hashing import encode_extra_keys
 from tests.engine.toy_model import PagedToyModel

@@ -19,7 +19,7 @@ from kvserve.model.lora import LoRAFormatError
 from kvserve.runtime import AsyncEngine, LLMEngine
 from kvserve.runtime.lora_registry import LoRARegistry, UnknownAdapter
 from kvserve.server.errors import APIError
-from kvserve.server.vllm_routes import model_card
+from kvserve.server.vllm.routes import model_card
 
 
 @dataclass(frozen=True, slots=True)
