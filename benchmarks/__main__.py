@@ -18,6 +18,7 @@ from benchmarks import (
     preemption_cli,
     profile_cli,
     router_cpu_cli,
+    server_path_cli,
     structured_cli,
     tp_cli,
 )
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     router_cpu_cli.add_parser(commands)
     grammar_cli.add_parser(commands)
     structured_cli.add_parser(commands)
+    server_path_cli.add_parser(commands)
     return parser
 
 
