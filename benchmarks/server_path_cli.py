@@ -183,10 +183,12 @@ class ServerSide:
 
     async def _one(self, client: httpx.AsyncClient,
                    body: dict[str, Any]) -> tuple[Reading, int]:
-        """(the server's readings from the first non-empty chunk to the last, gaps between)."""
+        """(the server's readings from the first chunk with text to the last chunk, tokens
+        after the first): tokens from the usage chunk, since the detokenizer may hold a
+        token's text back and send it with the next one (`kvserve bench serve`'s TPOT)."""
         first: Reading | None = None
         last = Reading(0.0, 0.0, 0)
-        gaps = -1
+        num_tokens = 0
         async with client.stream("POST", f"{self.server.url}/v1/completions",
                                  json=body) as resp:
             resp.raise_for_status()
@@ -194,12 +196,14 @@ class ServerSide:
                 if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                     continue
                 chunk = json.loads(line[5:])
-                if any(c.get("text") for c in chunk.get("choices") or ()):
+                num_tokens = int((chunk.get("usage") or {}).get("completion_tokens") or
+                                 num_tokens)
+                choices = chunk.get("choices") or ()
+                if choices and (first is not None or any(c.get("text") for c in choices)):
                     last = _proc_reading(self.pid)
                     first = first or last
-                    gaps += 1
-        assert first is not None, "the stream carried no text"
-        return last - first, gaps
+        assert first is not None and num_tokens, "the stream carried no text or no usage"
+        return last - first, num_tokens - 1
 
 
 def run(args: argparse.Namespace) -> int:
