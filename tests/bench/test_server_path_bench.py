@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ TINY = demo_model_config() | {"hidden_size": 64, "intermediate_size": 128,
 
 
 def test_both_sides_report_every_repeat_with_the_decoded_tokens(
-        tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model_dir = write_random_checkpoint(tmp_path / "tiny", TINY, seed=5)
     code = main(["server-path", "--model", str(model_dir), "--num-prompts", "2",
                  "--input-len", "16", "--output-len", "5", "--repeats", "2", "--threads", "1"])

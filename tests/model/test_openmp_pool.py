@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -21,9 +23,12 @@ def _num_threads() -> int:
     return len(list(Path("/proc/self/task").iterdir()))
 
 
-def _in_fresh_thread(fn):  # type: ignore[no-untyped-def]
+T = TypeVar("T")
+
+
+def _in_fresh_thread(fn: Callable[[], T]) -> T:
     """Run fn on a new thread (its own OpenMP pool) and return its result."""
-    result: list[object] = []
+    result: list[T] = []
     worker = threading.Thread(target=lambda: result.append(fn()))
     worker.start()
     worker.join()
@@ -31,7 +36,7 @@ def _in_fresh_thread(fn):  # type: ignore[no-untyped-def]
 
 
 @needs_libgomp
-def test_release_ends_the_calling_threads_workers_and_a_later_op_rebuilds_them():
+def test_release_ends_the_calling_threads_workers_and_a_later_op_rebuilds_them() -> None:
     big = torch.ones(1 << 22)  # [4M]: above torch's grain size, so the add runs in parallel
 
     def run() -> tuple[int, bool, int, int, float]:
