@@ -20,6 +20,7 @@ from benchmarks import (
     preemption_cli,
     profile_cli,
     router_cpu_cli,
+    server_path_cli,
     structured_cli,
     tp_cli,
 )
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     grammar_cli.add_parser(commands)
     structured_cli.add_parser(commands)
     lora_cli.add_parser(commands)
+    server_path_cli.add_parser(commands)
     return parser
 
 

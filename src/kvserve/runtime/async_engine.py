@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvserve.engine import SamplingParams
+from kvserve.model.openmp_pool import release_calling_thread_pool
 from kvserve.runtime.engine_info import EngineInfo
 from kvserve.runtime.llm_engine import EngineStats, LLMEngine
 from kvserve.runtime.lora_registry import LoRARegistry
@@ -58,6 +59,10 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
 
     def start(self) -> AsyncEngine:
+        """Start the step loop; the calling thread (which loaded the model) gives up its
+        OpenMP pool, so the loop's thread runs parallel regions as the offline engine does
+        (model/openmp_pool.py)."""
+        release_calling_thread_pool()
         self._thread.start()
         return self
 

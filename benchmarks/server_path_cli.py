@@ -1,0 +1,248 @@
+"""`python -m benchmarks server-path`: what the server path adds per token at concurrency 1.
+
+The same prompts (`--input-len` tokens, `--output-len` out, greedy, EOS ignored) run one at a time
+through (a) the offline engine in this process (`LLMEngine.step()` until the request finishes) and
+(b) a launched `kvserve serve` with the same engine arguments, streamed over HTTP. For each, per
+repeat: the ITL (wall time between consecutive tokens, mean over the decode of every prompt) and
+the CPU time per decoded token (user + system of the whole process, every thread, between the
+first token and the last, divided by the tokens in between), and the voluntary context switches
+per token of all its threads (a thread that sleeps and is woken again: an OpenMP worker waiting in
+the kernel between parallel regions shows here). CPU time is the steadier figure on a shared
+machine: another process running meanwhile stretches wall time but not this process's CPU.
+Repeats alternate between the sides, so both see the same moments' load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("server-path",
+                       help="offline ITL against server ITL at concurrency 1 (wall and CPU)")
+    p.add_argument("--model", required=True, help="checkpoint dir (tiny / 100m: bench models)")
+    p.add_argument("--side", choices=["offline", "server", "both"], default="both")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per repeat")
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats per side")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                   help="extra `kvserve serve` argument (repeatable, e.g. --serve-arg=--flag)")
+    p.set_defaults(func=run)
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One repeat of one side, over all its prompts' decodes: wall ms, CPU ms and voluntary
+    context switches per token."""
+
+    side: str
+    repeat: int
+    itl_ms: float
+    cpu_ms_per_token: float
+    switches_per_token: float
+    tokens: int
+
+    def row(self) -> dict[str, Any]:
+        return {"side": self.side, "repeat": self.repeat, "itl_ms": round(self.itl_ms, 2),
+                "cpu_ms_per_token": round(self.cpu_ms_per_token, 2),
+                "switches_per_token": round(self.switches_per_token, 1), "tokens": self.tokens}
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """A process's clocks at one moment: wall (perf_counter), CPU s, voluntary switches."""
+
+    wall: float
+    cpu_s: float
+    switches: int
+
+    def __sub__(self, other: Reading) -> Reading:
+        return Reading(self.wall - other.wall, self.cpu_s - other.cpu_s,
+                       self.switches - other.switches)
+
+
+KV_CACHE_BYTES = 256 << 20  # both sides: enough for one request, small beside the weights
+MAX_MODEL_LEN = 4096
+WARMUP_PROMPT = "a warm-up prompt " * 8
+
+
+def _self_reading() -> Reading:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return Reading(time.perf_counter(), usage.ru_utime + usage.ru_stime, usage.ru_nvcsw)
+
+
+def _proc_reading(pid: int) -> Reading:
+    """`pid`'s clocks, summed over its threads (/proc/PID/stat and each task's status)."""
+    now = time.perf_counter()
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2:].split()
+    switches = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            status = (task / "status").read_text()
+        except OSError:
+            continue  # the thread ended meanwhile
+        line = next(ln for ln in status.splitlines() if ln.startswith("voluntary_ctxt"))
+        switches += int(line.split()[1])
+    return Reading(now, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"),
+                   switches)
+
+
+def _sample(side: str, repeat: int, spans: Sequence[tuple[Reading, int]]) -> Sample:
+    """One repeat from each request's (last - first reading, tokens after the first)."""
+    tokens = sum(n for _, n in spans)
+    return Sample(side, repeat, 1e3 * sum(r.wall for r, _ in spans) / tokens,
+                  1e3 * sum(r.cpu_s for r, _ in spans) / tokens,
+                  sum(r.switches for r, _ in spans) / tokens, tokens)
+
+
+class OfflineSide:
+    """The offline engine in this process: each prompt through LLMEngine.step() alone."""
+
+    name = "offline"
+
+    def __init__(self, model_dir: Path, threads: int, output_len: int) -> None:
+        from kvserve.engine import SamplingParams
+        from kvserve.runtime import EngineArgs, LLMEngine
+
+        self.engine = LLMEngine.from_args(EngineArgs(
+            model=str(model_dir), num_threads=threads, kv_cache_memory_bytes=KV_CACHE_BYTES,
+            max_model_len=MAX_MODEL_LEN))
+        self.params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        self._one("warmup", WARMUP_PROMPT)
+
+    def run(self, repeat: int, prompts: Sequence[str]) -> Sample:
+        return _sample(self.name, repeat, [self._one(f"r{repeat}-{i}", prompt)
+                                           for i, prompt in enumerate(prompts)])
+
+    def _one(self, request_id: str, prompt: str) -> tuple[Reading, int]:
+        """(readings from the first token to the last, tokens after the first)."""
+        self.engine.add_request(request_id, prompt, self.params)
+        first: Reading | None = None
+        num_tokens = 0
+        while self.engine.has_unfinished:
+            outputs = self.engine.step()
+            produced = sum(len(o.outputs[0].token_ids) for o in outputs
+                           if o.request_id == request_id)
+            if produced and first is None:
+                first, num_tokens = _self_reading(), produced
+            elif produced:
+                num_tokens = produced
+        assert first is not None, "the request produced no token"
+        return _self_reading() - first, num_tokens - 1
+
+
+class ServerSide:
+    """A launched `kvserve serve` with the offline side's engine arguments, streamed from."""
+
+    name = "server"
+
+    def __init__(self, model_dir: Path, threads: int, output_len: int, log_dir: Path,
+                 extra: Sequence[str]) -> None:
+        from kvserve.bench.server_launch import LaunchedServer, LaunchSpec
+
+        self.spec = LaunchSpec(model_dir=model_dir.resolve(), served_model_name=model_dir.name,
+                               kv_cache_bytes=KV_CACHE_BYTES, max_model_len=MAX_MODEL_LEN,
+                               max_num_seqs=64, max_num_batched_tokens=2048,
+                               num_threads=threads, extra_args=tuple(extra))
+        self.output_len = output_len
+        self.server = LaunchedServer("kvserve", self.spec, log_dir, 600.0)
+        self.server.start()
+        assert self.server.pid is not None
+        self.pid = self.server.pid
+        asyncio.run(self._stream([WARMUP_PROMPT]))
+
+    def close(self) -> None:
+        self.server.stop()
+
+    def run(self, repeat: int, prompts: Sequence[str]) -> Sample:
+        return _sample(self.name, repeat, asyncio.run(self._stream(prompts)))
+
+    async def _stream(self, prompts: Sequence[str]) -> list[tuple[Reading, int]]:
+        from kvserve.bench.serve_load import completion_body
+
+        async with httpx.AsyncClient(timeout=600.0) as client:
+            return [await self._one(client, completion_body(self.spec.served_model_name, p,
+                                                            self.output_len))
+                    for p in prompts]
+
+    async def _one(self, client: httpx.AsyncClient,
+                   body: dict[str, Any]) -> tuple[Reading, int]:
+        """(the server's readings from the first chunk with text to the last chunk, tokens
+        after the first): tokens from the usage chunk, since the detokenizer may hold a
+        token's text back and send it with the next one (`kvserve bench serve`'s TPOT)."""
+        first: Reading | None = None
+        last = Reading(0.0, 0.0, 0)
+        num_tokens = 0
+        async with client.stream("POST", f"{self.server.url}/v1/completions",
+                                 json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                num_tokens = int((chunk.get("usage") or {}).get("completion_tokens") or
+                                 num_tokens)
+                choices = chunk.get("choices") or ()
+                if choices and (first is not None or any(c.get("text") for c in choices)):
+                    last = _proc_reading(self.pid)
+                    first = first or last
+        assert first is not None and num_tokens, "the stream carried no text or no usage"
+        return last - first, num_tokens - 1
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvserve.bench.engine_workloads import ensure_bench_model
+    from kvserve.bench.serve_prompts import PromptBuilder, PromptSpec
+    from kvserve.model import Tokenizer
+
+    model_dir = ensure_bench_model(args.model)
+    builder = PromptBuilder(Tokenizer.from_pretrained(model_dir))
+    spec = PromptSpec(args.num_prompts, args.input_len, 0.0)
+    prompts = [builder.build(spec, f"server-path/{r}") for r in range(args.repeats)]
+    samples: list[Sample] = []
+    with tempfile.TemporaryDirectory(prefix="kvserve-server-path-") as tmp:
+        sides: list[OfflineSide | ServerSide] = []
+        try:
+            if args.side in ("server", "both"):
+                sides.append(ServerSide(model_dir, args.threads, args.output_len, Path(tmp),
+                                        args.serve_arg))
+            if args.side in ("offline", "both"):
+                sides.insert(0, OfflineSide(model_dir, args.threads, args.output_len))
+            for repeat in range(args.repeats):  # interleaved: both see the same moments' load
+                for side in sides:
+                    samples.append(side.run(repeat, prompts[repeat]))
+                    print(json.dumps(samples[-1].row()), flush=True)
+        finally:
+            for side in sides:
+                if isinstance(side, ServerSide):
+                    side.close()
+    for name in ("offline", "server"):
+        mine = [s for s in samples if s.side == name]
+        if not mine:
+            continue
+        itl = [s.itl_ms for s in mine]
+        cpu = [s.cpu_ms_per_token for s in mine]
+        switches = [s.switches_per_token for s in mine]
+        print(f"{name:8s} ITL ms: median {statistics.median(itl):6.2f} "
+              f"(min {min(itl):.2f}, max {max(itl):.2f}); CPU ms/token: median "
+              f"{statistics.median(cpu):6.2f} (min {min(cpu):.2f}, max {max(cpu):.2f}); "
+              f"switches/token {statistics.median(switches):.1f}; "
+              f"{len(mine)} repeats x {mine[0].tokens} tokens; load average "
+              f"{os.getloadavg()[0]:.1f}")
+    return 0

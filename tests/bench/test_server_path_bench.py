@@ -1,0 +1,30 @@
+"""`python -m benchmarks server-path` on a tiny random model: both sides, interleaved, parsed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.__main__ import main
+from kvserve.model import demo_model_config, write_random_checkpoint
+
+TINY = demo_model_config() | {"hidden_size": 64, "intermediate_size": 128,
+                              "num_hidden_layers": 2, "num_attention_heads": 4,
+                              "num_key_value_heads": 2}
+
+
+def test_both_sides_report_every_repeat_with_the_decoded_tokens(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = write_random_checkpoint(tmp_path / "tiny", TINY, seed=5)
+    code = main(["server-path", "--model", str(model_dir), "--num-prompts", "2",
+                 "--input-len", "16", "--output-len", "5", "--repeats", "2", "--threads", "1"])
+    assert code == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+            if line.startswith("{")]
+    assert [(r["side"], r["repeat"]) for r in rows] == [
+        ("offline", 0), ("server", 0), ("offline", 1), ("server", 1)]
+    for row in rows:
+        assert row["tokens"] == 2 * 4  # two prompts, the gaps after each first token
+        assert row["itl_ms"] > 0 and row["cpu_ms_per_token"] >= 0
