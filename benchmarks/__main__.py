@@ -17,6 +17,8 @@ from benchmarks import (
     grammar_cli,
     preemption_cli,
     profile_cli,
+    real_chats_cli,
+    real_structured_cli,
     router_cpu_cli,
     structured_cli,
     tp_cli,
@@ -38,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     router_cpu_cli.add_parser(commands)
     grammar_cli.add_parser(commands)
     structured_cli.add_parser(commands)
+    real_structured_cli.add_parser(commands)
+    real_chats_cli.add_parser(commands)
     return parser
 
 
