@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
         results[policy]["answers"] = [{k: v for k, v in t.items() if not k.endswith("_ids")}
                                     for t in turns]
         _print_row(policy, results[policy])
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=1) + "\n")
+        if args.out:  # after each policy: a long run cut short keeps what it measured
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 
