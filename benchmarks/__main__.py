@@ -19,6 +19,8 @@ from benchmarks import (
     lora_cli,
     preemption_cli,
     profile_cli,
+    real_chats_cli,
+    real_structured_cli,
     router_cpu_cli,
     server_path_cli,
     structured_cli,
@@ -44,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     structured_cli.add_parser(commands)
     lora_cli.add_parser(commands)
     server_path_cli.add_parser(commands)
+    real_structured_cli.add_parser(commands)
+    real_chats_cli.add_parser(commands)
     return parser
 
 
