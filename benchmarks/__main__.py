@@ -15,6 +15,7 @@ from benchmarks import (
     disagg_cli,
     gateway_cli,
     grammar_cli,
+    precision_cli,
     preemption_cli,
     profile_cli,
     router_cpu_cli,
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     router_cpu_cli.add_parser(commands)
     grammar_cli.add_parser(commands)
     structured_cli.add_parser(commands)
+    precision_cli.add_parser(commands)
     return parser
 
 

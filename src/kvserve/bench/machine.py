@@ -3,7 +3,8 @@
 Measured with the threads torch uses (`--threads`):
 - GEMM rate in GFLOP/s (2*M*N*K per product) for float32 and bf16 through oneDNN with a
   prepacked weight (`mkldnn::_linear_pointwise`, the op kvserve's dense linear layers run) and
-  int8 through `torch._int_mm` (int8 x int8 -> int32; on CPU ATen hands it to oneDNN), at a
+  int8 through `torch._int_mm` (int8 x int8 -> int32; on CPU ATen calls oneDNN's s8s8s32
+  gemm; ONEDNN_VERBOSE=1 names the ISA each ran with), at a
   decode-sized M (few rows) and a prefill-sized one;
 - memory bandwidth in GB/s: a read (a sum over a buffer far larger than the caches: what
   decoding does to weights) and a copy (read + write bytes).
@@ -26,7 +27,7 @@ GEMM_SHAPES = ((1, 2048, 2048), (16, 2048, 2048), (512, 2048, 2048))  # (M, N, K
 BANDWIDTH_BYTES = 1 << 29  # 512 MiB: far past any L3
 KERNELS = {"float32": "oneDNN linear (prepacked fp32)",
            "bfloat16": "oneDNN linear (prepacked bf16, fp32 accumulation)",
-           "int8": "torch._int_mm (int8 x int8 -> int32)"}
+           "int8": "torch._int_mm (int8 x int8 -> int32, oneDNN's s8s8s32 gemm)"}
 BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "q4_0": 18 / 32,
                     "q4_1": 20 / 32, "q8_0": 34 / 32}
 
@@ -165,7 +166,7 @@ def format_limits(limits: MachineLimits) -> str:
     """A few lines a person reads: GFLOP/s per dtype and M, then GB/s."""
     lines = [f"{limits.cpu or 'this CPU'}, {limits.threads} torch threads"]
     for dtype, rates in limits.gemm_gflops.items():
-        cells = ", ".join(f"{m} {v:,.0f}" for m, v in rates.items())
+        cells = ", ".join(f"{m} {v:,.1f}" for m, v in rates.items())
         lines.append(f"  {dtype:8s} GEMM GFLOP/s (N=K=2048): {cells}  [{limits.kernels[dtype]}]")
     lines.append(f"  memory: read {limits.read_gb_s:.1f} GB/s, copy {limits.copy_gb_s:.1f} GB/s "
                  f"(read + write bytes; {BANDWIDTH_BYTES >> 20} MiB buffers)")
