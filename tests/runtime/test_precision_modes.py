@@ -11,8 +11,7 @@ import torch
 from kvserve.model import write_random_checkpoint
 from kvserve.model.quant_linear import BlockKernelLinear, Int4Linear
 from kvserve.model.tensor_parallel import ShardSpec
-from kvserve.runtime import EngineArgs
-from kvserve.runtime import model_setup
+from kvserve.runtime import EngineArgs, model_setup
 from tests.model.arch_configs import base_config
 
 
