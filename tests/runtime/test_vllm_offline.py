@@ -157,7 +157,6 @@ def test_sampling_params_fields_of_vllm(llm: LLM) -> None:
 def test_llm_refuses_vllm_arguments_it_cannot_honour(checkpoints: dict[str, Path]) -> None:
     path = str(checkpoints["llama_gqa"])
     for kwargs, message in [({"quantization": "awq"}, "quantization"),
-                            ({"tokenizer": "other/tok"}, "tokenizer"),
                             ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
                             ({"kv_cache_dtype": "bf16"}, "differs from the model's dtype")]:
         with pytest.raises(ValueError, match=message):

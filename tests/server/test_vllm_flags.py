@@ -41,6 +41,14 @@ def test_positional_model_and_vllm_meanings() -> None:
     assert engine_args_from(parse("--dtype", "auto")).dtype is None
 
 
+def test_tokenizer_and_hf_config_path_overrides_reach_the_engine() -> None:
+    engine = engine_args_from(parse("m.gguf", "--tokenizer", "org/tok", "--hf-config-path",
+                                    "/cfg", "--load-format", "gguf"))
+    assert engine.model == "m.gguf"
+    assert (engine.tokenizer, engine.hf_config_path) == ("org/tok", "/cfg")
+    assert engine_args_from(parse("m")).tokenizer is None
+
+
 def test_the_model_given_twice_differently_is_an_error() -> None:
     with pytest.raises(ValueError, match="given twice"):
         parse("a", "--model", "b")
@@ -51,11 +59,10 @@ def test_the_model_given_twice_differently_is_an_error() -> None:
     (["--quantization", "awq"], "--quantization awq"),
     (["-q", "gptq"], "-q gptq"),
     (["--enable-lora"], "--enable-lora"),
-    (["--tokenizer", "other"], "--tokenizer other"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
     (["--data-parallel-size", "4"], "--data-parallel-size 4"),
-    (["--load-format", "gguf"], "--load-format gguf"),
+    (["--load-format", "pt"], "--load-format pt"),
     (["--ssl-keyfile", "k.pem"], "--ssl-keyfile k.pem"),
 ])
 def test_flags_kvserve_cannot_honour_are_refused_by_name(

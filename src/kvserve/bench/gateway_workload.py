@@ -155,7 +155,7 @@ def kv_bytes_per_token(model_dir: Path) -> int:
     """float32 K and V of every layer for one token, as a local worker sizes its cache."""
     import torch
 
-    from kvserve.model import ModelConfig, kv_cache_bytes_per_block
+    from kvserve.model import kv_cache_bytes_per_block, read_model_config, resolve_model_path
 
-    config = ModelConfig.from_file(model_dir / "config.json")
+    config = read_model_config(resolve_model_path(model_dir))  # config.json or a GGUF's
     return kv_cache_bytes_per_block(config, 1, torch.float32)

@@ -11,7 +11,14 @@ from kvserve.model.disk_kv import DiskKV, allocate_disk_kv_caches
 from kvserve.model.errors import ModelLoadError
 from kvserve.model.host_kv import allocate_host_kv_caches, run_kv_transfers
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.loader import LoadedModel, load_model, resolve_model_path
+from kvserve.model.loader import (
+    LoadedModel,
+    checkpoint_config_dict,
+    load_model,
+    read_model_config,
+    resolve_model_path,
+    resolve_tokenizer_path,
+)
 from kvserve.model.paged_attention import (
     KVCache,
     allocate_kv_caches,
@@ -35,12 +42,15 @@ __all__ = [
     "allocate_disk_kv_caches",
     "allocate_host_kv_caches",
     "allocate_kv_caches",
+    "checkpoint_config_dict",
     "compute_positions",
     "demo_model_config",
     "kv_cache_bytes_per_block",
     "load_model",
     "paged_attention",
+    "read_model_config",
     "resolve_model_path",
+    "resolve_tokenizer_path",
     "run_kv_transfers",
     "write_random_checkpoint",
 ]

@@ -1,6 +1,8 @@
-"""Turn a model argument (local directory or Hugging Face id) into a loaded, ready model.
+"""Turn a model argument (local directory, .gguf file or Hugging Face id) into a loaded model.
 
-Resolution never downloads when the argument is an existing path. Weight loading is strict: every
+Resolution never downloads when the argument is an existing path. A .gguf file, or a directory
+holding exactly one and no config.json, loads through kvserve.model.gguf (config and tokenizer
+from its metadata, weights dequantized to the requested dtype). Weight loading is strict: every
 parameter must come from the checkpoint and every checkpoint tensor must land somewhere (except
 tied ``lm_head.weight`` and legacy ``rotary_emb.inv_freq`` buffers, which are ignored).
 """
@@ -11,7 +13,7 @@ import json
 import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +23,19 @@ from torch import nn
 
 from kvserve.model.config import ModelConfig
 from kvserve.model.errors import ModelLoadError
+from kvserve.model.gguf.config import config_from_gguf, hf_config_dict
+from kvserve.model.gguf.config import eos_token_ids as gguf_eos_token_ids
+from kvserve.model.gguf.locate import find_gguf, is_gguf
+from kvserve.model.gguf.quant_types import check_supported
+from kvserve.model.gguf.reader import open_gguf
+from kvserve.model.gguf.weights import load_gguf_weights
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.tensor_parallel import ShardSpec, TensorSlice, shard_config, tensor_slice
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
+_TOKENIZER_PATTERNS = ["tokenizer*.json", "special_tokens_map.json", "*.jinja"]
 _MAX_LISTED = 12
 
 
@@ -34,10 +43,10 @@ _MAX_LISTED = 12
 class LoadedModel:
     """A model in eval mode with its weights on ``device`` in ``dtype``, and where it came from."""
 
-    path: Path
+    path: Path  # the checkpoint directory, or the .gguf file
     config: ModelConfig  # the checkpoint's; the model runs `shard_config(config, shard)`
     model: LlamaForCausalLM
-    eos_token_ids: tuple[int, ...]  # config.json's ids, then generation_config.json's extras
+    eos_token_ids: tuple[int, ...]  # config's ids, then generation_config.json's / GGUF's extras
     dtype: torch.dtype
     device: torch.device
     shard: ShardSpec = field(default_factory=lambda: ShardSpec(0, 1))
@@ -46,56 +55,127 @@ class LoadedModel:
 def load_model(model: str | os.PathLike[str], *, device: torch.device | str = "cpu",
                dtype: torch.dtype | None = None, revision: str | None = None,
                cache_dir: str | os.PathLike[str] | None = None,
-               local_files_only: bool = False, shard: ShardSpec | None = None) -> LoadedModel:
+               local_files_only: bool = False, shard: ShardSpec | None = None,
+               hf_config_path: str | os.PathLike[str] | None = None) -> LoadedModel:
     """Resolve ``model``, build the network without allocating random weights, load it strictly.
 
     ``dtype=None`` means the checkpoint's dtype on accelerators and float32 on CPU (bf16/fp16
-    matmuls there are slow or inexact). ``shard``: build and load only this tensor-parallel
-    rank's part (kvserve.model.tensor_parallel; each rank reads its slices of the same files).
-    Raises ``ModelLoadError`` for anything unusable (``ShardingError`` for an unfit split).
+    matmuls there are slow or inexact); a GGUF's is float32. ``shard``: build and load only
+    this tensor-parallel rank's part (kvserve.model.tensor_parallel; each rank reads its slices
+    of the same files). ``hf_config_path``: a directory (or file) whose config.json replaces the
+    checkpoint's config (vLLM's --hf-config-path). Raises ``ModelLoadError`` for anything
+    unusable (``ShardingError`` for an unfit split).
     """
     shard = shard or ShardSpec(0, 1)
     path = resolve_model_path(model, revision=revision, cache_dir=cache_dir,
                               local_files_only=local_files_only)
-    config = ModelConfig.from_file(path / "config.json")
+    gguf_file = open_gguf(path) if is_gguf(path) else None
+    if gguf_file is not None:
+        check_supported(gguf_file)  # before anything else is built or read
+    config = read_model_config(path, hf_config_path)
     device = torch.device(device)
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else config.dtype
     network = LlamaForCausalLM(shard_config(config, shard), dtype=dtype, device="meta")
     network.to_empty(device=device)
     network.tie_weights()
-    load_weights(network, path, config, shard)
+    if gguf_file is not None:
+        load_gguf_weights(network, gguf_file, config, shard)
+        eos = config.eos_token_ids + tuple(i for i in gguf_eos_token_ids(gguf_file.metadata)
+                                           if i not in config.eos_token_ids)
+    else:
+        load_weights(network, path, config, shard)
+        eos = read_eos_token_ids(path, config)
+    if hf_config_path is not None:
+        eos = read_eos_token_ids(_config_dir(hf_config_path), replace(config, eos_token_ids=eos))
     network.eval().requires_grad_(False)
     network.fuse_projections()
-    return LoadedModel(path=path, config=config, model=network,
-                       eos_token_ids=read_eos_token_ids(path, config), dtype=dtype, device=device,
-                       shard=shard)
+    return LoadedModel(path=path, config=config, model=network, eos_token_ids=eos, dtype=dtype,
+                       device=device, shard=shard)
+
+
+def read_model_config(path: Path, hf_config_path: str | os.PathLike[str] | None = None
+                      ) -> ModelConfig:
+    """The config of a resolved checkpoint (``resolve_model_path``): ``hf_config_path``'s
+    config.json when given, else the directory's config.json or the GGUF's metadata."""
+    if hf_config_path is not None:
+        return ModelConfig.from_file(_config_dir(hf_config_path) / "config.json")
+    if is_gguf(path):
+        return config_from_gguf(open_gguf(path))
+    return ModelConfig.from_file(path / "config.json")
+
+
+def checkpoint_config_dict(path: Path, hf_config_path: str | os.PathLike[str] | None = None
+                           ) -> dict[str, Any]:
+    """The raw config dict ``read_model_config`` validates (for comparing checkpoints)."""
+    if hf_config_path is None and is_gguf(path):
+        return hf_config_dict(open_gguf(path))
+    file = _config_dir(hf_config_path) / "config.json" if hf_config_path else path / "config.json"
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{file}: cannot read it as JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{file}: expected a JSON object at the top level")
+    return raw
+
+
+def _config_dir(hf_config_path: str | os.PathLike[str]) -> Path:
+    path = Path(hf_config_path).expanduser()
+    if path.is_file() and path.name == "config.json":
+        return path.parent
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path}: no config.json there; --hf-config-path takes a "
+                             "directory holding the model's Hugging Face config.json")
+    return path
 
 
 def resolve_model_path(model: str | os.PathLike[str], *, revision: str | None = None,
                        cache_dir: str | os.PathLike[str] | None = None,
                        local_files_only: bool = False) -> Path:
-    """A local directory holding config.json: ``model`` itself, or a Hub snapshot of it.
+    """A local directory holding config.json, or a .gguf file: ``model`` itself, the one .gguf
+    in the directory ``model`` (when it has no config.json), or a Hub snapshot of ``model``.
 
     The Hub is asked only when ``model`` is not an existing path and looks like ``org/name``.
     """
     text = os.fspath(model)
     path = Path(text).expanduser()
     if path.exists():
+        gguf = find_gguf(path)
+        if gguf is not None:
+            return gguf
         if not path.is_dir():
-            raise ModelLoadError(f"{path}: is a file; pass the model directory that holds "
-                                 "config.json")
+            raise ModelLoadError(f"{path}: is a file but not a .gguf; pass a GGUF file or the "
+                                 "model directory that holds config.json")
         if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{path}: no config.json in this directory; pass a Hugging Face "
-                                 "model directory (config.json, *.safetensors, tokenizer.json)")
+            raise ModelLoadError(f"{path}: no config.json and no .gguf file in this directory; "
+                                 "pass a Hugging Face model directory (config.json, "
+                                 "*.safetensors, tokenizer.json) or a GGUF file")
         return path
     if text.startswith((".", "/", "~")) or text.count("/") > 1 or "\\" in text:
         raise ModelLoadError(f"{text}: no such directory")
     return _download(text, revision, cache_dir, local_files_only)
 
 
+def resolve_tokenizer_path(tokenizer: str | os.PathLike[str], *, revision: str | None = None,
+                           cache_dir: str | os.PathLike[str] | None = None,
+                           local_files_only: bool = False) -> Path:
+    """Where ``Tokenizer.from_pretrained`` finds the tokenizer ``tokenizer`` names (vLLM's
+    --tokenizer): an existing directory or .gguf file, else a Hub snapshot of its tokenizer
+    files."""
+    text = os.fspath(tokenizer)
+    path = Path(text).expanduser()
+    if path.exists():
+        return path
+    if text.startswith((".", "/", "~")) or text.count("/") > 1 or "\\" in text:
+        raise ModelLoadError(f"--tokenizer {text}: no such directory or file")
+    return _download(text, revision, cache_dir, local_files_only, required="tokenizer.json",
+                     patterns=_TOKENIZER_PATTERNS)
+
+
 def _download(repo_id: str, revision: str | None,
-              cache_dir: str | os.PathLike[str] | None, local_files_only: bool) -> Path:
+              cache_dir: str | os.PathLike[str] | None, local_files_only: bool,
+              required: str = "config.json", patterns: list[str] | None = None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -109,7 +189,7 @@ def _download(repo_id: str, revision: str | None,
         snapshot = snapshot_download(repo_id, revision=revision,
                                      cache_dir=None if cache_dir is None else Path(cache_dir),
                                      local_files_only=local_files_only,
-                                     allow_patterns=_HUB_PATTERNS)
+                                     allow_patterns=patterns or _HUB_PATTERNS)
     except HFValidationError:
         raise ModelLoadError(f"{repo_id}: not a local directory and not a valid Hugging Face "
                              "id (expected org/name)") from None
@@ -131,8 +211,8 @@ def _download(repo_id: str, revision: str | None,
         raise ModelLoadError(f"{repo_id}: download from the Hugging Face Hub failed: {exc}") \
             from exc
     path = Path(snapshot)
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{repo_id}: the Hub snapshot at {path} has no config.json")
+    if not (path / required).is_file():
+        raise ModelLoadError(f"{repo_id}: the Hub snapshot at {path} has no {required}")
     return path
 
 

@@ -21,6 +21,9 @@ from kvserve.chat_template import (
     read_template_sources,
 )
 from kvserve.model.errors import ModelLoadError
+from kvserve.model.gguf.locate import find_gguf
+from kvserve.model.gguf.reader import open_gguf
+from kvserve.model.gguf.tokenizer import build_tokenizer, special_token
 
 __all__ = ["ChatTemplateError", "Tokenizer"]
 
@@ -44,13 +47,18 @@ class Tokenizer:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, *, chat_template: str | None = None) -> Tokenizer:
-        """Load ``tokenizer.json`` and (optional) ``tokenizer_config.json`` from a model directory.
+        """Load ``tokenizer.json`` and (optional) ``tokenizer_config.json`` from a model directory,
+        or build the tokenizer of a .gguf file (or of a directory's one .gguf, when it has no
+        tokenizer.json).
 
         The chat template comes from tokenizer_config.json, else from ``chat_template.jinja``;
         from a list of named templates ``default`` is used, and ``tool_use`` when tools are given.
         ``chat_template`` (source text) replaces them all.
         """
         path = Path(path)
+        gguf_file = find_gguf(path)
+        if gguf_file is not None and not (path / "tokenizer.json").is_file():
+            return cls.from_gguf(gguf_file, chat_template=chat_template)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
             raise ModelLoadError(f"{tok_file}: file not found; kvserve needs a fast-tokenizer "
@@ -67,6 +75,19 @@ class Tokenizer:
             template, tool_template = chat_template, None
         return cls(tokenizer, bos_token=bos, eos_token=eos, chat_template=template,
                    tool_chat_template=tool_template)
+
+    @classmethod
+    def from_gguf(cls, path: str | Path, *, chat_template: str | None = None) -> Tokenizer:
+        """Build the tokenizer a GGUF file describes (kvserve.model.gguf.tokenizer): its
+        vocabulary, special tokens and ``tokenizer.chat_template``; ``chat_template`` replaces
+        the file's."""
+        gguf_file = open_gguf(path)
+        template = chat_template
+        if template is None:
+            stored = gguf_file.metadata.get("tokenizer.chat_template")
+            template = stored if isinstance(stored, str) else None
+        return cls(build_tokenizer(gguf_file), bos_token=special_token(gguf_file, "bos"),
+                   eos_token=special_token(gguf_file, "eos"), chat_template=template)
 
     def with_chat_template(self, chat_template: str) -> Tokenizer:
         """The same tokenizer with `chat_template` (source text) as its only template."""

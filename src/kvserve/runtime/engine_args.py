@@ -20,6 +20,9 @@ class EngineArgs:
     torch's), which must be the model's dtype: the attention paths read the cache in it.
     `chat_template`: a file path or the template itself; replaces the model's.
     `revision` / `download_dir`: the Hub revision and cache directory of a model given by id.
+    `tokenizer`: where the tokenizer comes from instead of the model (a directory, a .gguf file
+    or a Hub id; vLLM's --tokenizer). `hf_config_path`: a directory whose config.json replaces
+    the model's config (vLLM's --hf-config-path).
     `kv_host_tier_bytes` > 0 adds a host-memory tier of that many bytes under the device pool
     (evicted prefix blocks are kept there and copied back on a hit); 0 turns it off.
     `kv_disk_tier_bytes` > 0 adds a disk tier of that many bytes under the host tier (what the
@@ -77,6 +80,8 @@ class EngineArgs:
     collective_timeout_s: float = 60.0
     revision: str | None = None
     download_dir: str | None = None
+    tokenizer: str | None = None
+    hf_config_path: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

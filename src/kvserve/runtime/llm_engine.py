@@ -29,13 +29,14 @@ from kvserve.engine import (
 )
 from kvserve.kvcache import AuditReport, KVCacheManager, KVCacheStats
 from kvserve.model import (
-    ModelConfig,
     Tokenizer,
     allocate_disk_kv_caches,
     allocate_host_kv_caches,
     allocate_kv_caches,
     kv_cache_bytes_per_block,
+    read_model_config,
     resolve_model_path,
+    resolve_tokenizer_path,
 )
 from kvserve.model.grammar import GrammarMasks, Grammars
 from kvserve.model.runner import ModelRunner
@@ -122,7 +123,7 @@ class LLMEngine:
         group: RankGroup | None = None
         if world_size > 1:
             path = args.model or str(ensure_demo_model())
-            check_shardable(ModelConfig.from_file(resolve_model_path(path) / "config.json"),
+            check_shardable(read_model_config(resolve_model_path(path), args.hf_config_path),
                             world_size)
             group = RankGroup(args, rendezvous or Rendezvous.from_env(world_size))
         try:
@@ -138,7 +139,9 @@ class LLMEngine:
         loaded, weight_bytes = load_rank_model(args, ShardSpec(0, args.tensor_parallel_size),
                                                rank_device(args.device, 0))
         template = template_argument(args.chat_template) if args.chat_template else None
-        tokenizer = Tokenizer.from_pretrained(loaded.path, chat_template=template)
+        tokenizer_path = loaded.path if args.tokenizer is None else resolve_tokenizer_path(
+            args.tokenizer, revision=args.revision, cache_dir=args.download_dir)
+        tokenizer = Tokenizer.from_pretrained(tokenizer_path, chat_template=template)
         config = loaded.config
         rank_config = loaded.model.config  # this rank's heads (all of them on one rank)
         kv_dtype = kv_cache_dtype_name(args.kv_cache_dtype)

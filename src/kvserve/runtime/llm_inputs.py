@@ -51,10 +51,8 @@ def engine_kwargs(model: str | None, kwargs: dict[str, Any]) -> dict[str, Any]:
             if value not in accepted:
                 raise ValueError(f"{name}={value!r} is not supported by kvserve; accepted: "
                                  f"{', '.join(repr(a) for a in accepted)}")
-    tokenizer = out.pop("tokenizer", None)
-    if tokenizer is not None and tokenizer != model:
-        raise ValueError(f"tokenizer={tokenizer!r}: kvserve loads the tokenizer from the model "
-                         "directory (tokenizer.json); leave it out")
+    if out.get("tokenizer") is not None and out["tokenizer"] == model:
+        out.pop("tokenizer")  # vLLM's default: the model's own
     if "dtype" in out and out["dtype"] in DTYPES:
         out["dtype"] = DTYPES[out["dtype"]]
     return out

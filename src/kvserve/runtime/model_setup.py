@@ -34,7 +34,7 @@ def load_rank_model(args: EngineArgs, shard: ShardSpec, device: str) -> tuple[Lo
                      "AMX), where bf16 matmuls run slower than float32; running float32")
         dtype = torch.float32
     loaded = load_model(path, device=device, dtype=dtype, shard=shard, revision=args.revision,
-                        cache_dir=args.download_dir)
+                        cache_dir=args.download_dir, hf_config_path=args.hf_config_path)
     weight_bytes = model_bytes(loaded.model)
     cpu_kernels.set_enabled(args.cpu_kernels)
     if args.cpu_kernels and loaded.device.type == "cpu":

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch.distributed import Store
 
-from kvserve.model import resolve_model_path
+from kvserve.model import checkpoint_config_dict, resolve_model_path
 from kvserve.runtime.demo_model import ensure_demo_model
 from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.tp_comm import TensorParallelError
@@ -45,7 +45,7 @@ class GroupIdentity:
     def from_args(cls, args: EngineArgs) -> GroupIdentity:
         path = resolve_model_path(args.model or ensure_demo_model(), revision=args.revision,
                                   cache_dir=args.download_dir)
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+        config = checkpoint_config_dict(path, args.hf_config_path)
         kept = {k: v for k, v in config.items()
                 if not k.startswith("_") and k != "transformers_version"}
         digest = hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()

@@ -37,8 +37,8 @@ DTYPE_NAMES = {"auto": None, "float32": "float32", "float": "float32", "bfloat16
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """Engine sizing flags, named as in vLLM."""
     p.add_argument("--model", default=None,
-                   help="HF model id or local directory (default: the built-in demo model, "
-                        "random weights, meaningless text, no download)")
+                   help="HF model id, local directory or .gguf file (default: the built-in "
+                        "demo model, random weights, meaningless text, no download)")
     p.add_argument("--served-model-name", default=None, help="the name clients use")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--num-gpu-blocks-override", "--num-kv-blocks", dest="num_kv_blocks",
@@ -79,6 +79,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="a chat template file, or the template itself, replacing the model's")
     p.add_argument("--revision", default=None, help="the Hub revision of a model given by id")
     p.add_argument("--download-dir", default=None, help="the Hub cache directory")
+    p.add_argument("--tokenizer", default=None, metavar="DIR_OR_ID",
+                   help="load the tokenizer from here (a directory with tokenizer.json, a .gguf "
+                        "file, or a Hub id) instead of from the model")
+    p.add_argument("--hf-config-path", default=None, metavar="DIR",
+                   help="a directory whose config.json replaces the model's config (e.g. for a "
+                        "GGUF whose metadata lacks a rope scaling)")
     add_engine_vllm_arguments(p)
     p.add_argument("--device", default="cpu")
     p.add_argument("--seed", type=int, default=0)
@@ -123,7 +129,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
         chat_template=args.chat_template, tensor_parallel_size=args.tensor_parallel_size,
         collective_timeout_s=args.collective_timeout_s,
-        revision=args.revision, download_dir=args.download_dir,
+        revision=args.revision, download_dir=args.download_dir, tokenizer=args.tokenizer,
+        hf_config_path=args.hf_config_path,
     )
 
 

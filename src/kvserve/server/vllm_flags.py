@@ -28,8 +28,6 @@ REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
     (("--enable-lora",), False, "kvserve serves no LoRA adapters; merge the adapter first"),
     (("--speculative-config",), True, "kvserve has no speculative decoding; leave it out"),
     (("--enable-sleep-mode",), False, "kvserve has no sleep mode; stop the worker instead"),
-    (("--tokenizer",), True, "kvserve loads the tokenizer from the model directory "
-                             "(tokenizer.json); leave it out or put the tokenizer there"),
     (("--ssl-keyfile", "--ssl-certfile"), True,
      "kvserve serves plain HTTP; terminate TLS in front of it (ingress, Envoy)"),
     (("--allowed-origins",), True,
@@ -45,7 +43,8 @@ SINGLE_DEVICE = (
     (("--data-parallel-size", "-dp"), ("1",),
      "run N kvserve workers behind `kvserve gateway` instead"),
     (("--cpu-offload-gb",), ("0", "0.0"), "kvserve keeps all weights on the device"),
-    (("--load-format",), ("auto", "safetensors"), "kvserve loads safetensors checkpoints"),
+    (("--load-format",), ("auto", "safetensors", "gguf"),
+     "kvserve loads safetensors and GGUF checkpoints"),
 )
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
