@@ -3,17 +3,20 @@
 `pack_quantized` is the quantized twin of `LlamaForCausalLM.pack_for_onednn`: applied once
 after loading (and `fuse_projections`), it replaces q/k/v (fused), o_proj, gate/up (fused),
 down_proj and the lm_head with packed layers and drops their dense weights. The blocks come in
-per Hugging Face parameter name (`model.layers.0.self_attn.q_proj.weight`, ...), as a GGUF
-reader yields them (Q and K rows already in HF's order) or as `quantize_weights` makes them
-from the dense weights. The embeddings stay dense: a lookup reads one row a token.
+per Hugging Face parameter name (`model.layers.0.self_attn.q_proj.weight`, ...), as
+`gguf_weights` reads them from a .gguf file (Q and K rows already in HF's order) or as
+`quantize_weights` makes them from the dense weights. The embeddings stay dense: a lookup reads one row a token.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
+from kvserve.model.config import ModelConfig
 from kvserve.model.ggml_blocks import BLOCK, QuantizedWeight, concat_rows, dequantize, quantize
 from kvserve.model.layers import LinearOp, drop_dense
 from kvserve.model.llama import DecoderLayer, LlamaForCausalLM
@@ -51,6 +54,16 @@ def quantize_weights(model: LlamaForCausalLM, ggml_type: str,
             weights[name] = blocks(modules[short].weight, ggml_type)
     weights[LM_HEAD] = blocks(model.lm_head.weight, lm_head_type)
     return weights
+
+
+def gguf_weights(path: str | os.PathLike[str], config: ModelConfig) -> dict[str, QuantizedWeight]:
+    """A .gguf file's matrices in their own blocks, by HF name (kvserve.model.gguf's
+    `packed_weights`: q/k rows already in HF order), copied out of the mapped file."""
+    from kvserve.model.gguf import packed_weights
+
+    return {name: QuantizedWeight(p.ggml_type.name, p.shape,
+                                  torch.from_numpy(np.array(p.data, copy=True)))
+            for name, p in packed_weights(path, config).items()}
 
 
 def _linear(parts: list[QuantizedWeight], bias: torch.Tensor | None, kernel: str) -> LinearOp:

@@ -7,8 +7,9 @@ import logging
 import torch
 
 from kvserve.model import LoadedModel, cpu_kernels, load_model
+from kvserve.model.gguf.locate import is_gguf
 from kvserve.model.onednn_linear import has_native_bf16, onednn_available
-from kvserve.model.quantized_model import pack_quantized, quantize_weights
+from kvserve.model.quantized_model import gguf_weights, pack_quantized, quantize_weights
 from kvserve.model.tensor_parallel import ShardSpec
 from kvserve.runtime.demo_model import ensure_demo_model
 from kvserve.runtime.engine_args import EngineArgs
@@ -39,9 +40,13 @@ def load_rank_model(args: EngineArgs, shard: ShardSpec, device: str) -> tuple[Lo
     cpu_kernels.set_enabled(args.cpu_kernels)
     if args.cpu_kernels and loaded.device.type == "cpu":
         cpu_kernels.available()
-    if args.quantization:
-        ggml_type = args.quantization.upper()
-        pack_quantized(loaded.model, quantize_weights(loaded.model, ggml_type))
+    if args.quantization == "gguf":
+        if not is_gguf(loaded.path):
+            raise ValueError(f"quantization='gguf' keeps a .gguf model's blocks, but {path} is "
+                             "not one; pass a .gguf model, or q4_0/q4_1/q8_0 to quantize")
+        pack_quantized(loaded.model, gguf_weights(loaded.path, loaded.config))
+    elif args.quantization:
+        pack_quantized(loaded.model, quantize_weights(loaded.model, args.quantization.upper()))
     elif args.onednn_linear and onednn_available(loaded.device, loaded.dtype):
         loaded.model.pack_for_onednn()
     return loaded, weight_bytes
