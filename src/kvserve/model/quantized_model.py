@@ -5,7 +5,8 @@ after loading (and `fuse_projections`), it replaces q/k/v (fused), o_proj, gate/
 down_proj and the lm_head with packed layers and drops their dense weights. The blocks come in
 per Hugging Face parameter name (`model.layers.0.self_attn.q_proj.weight`, ...), as
 `gguf_weights` reads them from a .gguf file (Q and K rows already in HF's order) or as
-`quantize_weights` makes them from the dense weights. The embeddings stay dense: a lookup reads one row a token.
+`quantize_weights` makes them from the dense weights. The embeddings stay dense: a lookup
+reads one row a token.
 """
 
 from __future__ import annotations
