@@ -11,8 +11,8 @@ reads one row a token.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -57,7 +57,7 @@ def quantize_weights(model: LlamaForCausalLM, ggml_type: str,
     return weights
 
 
-def gguf_weights(path: str | os.PathLike[str], config: ModelConfig) -> dict[str, QuantizedWeight]:
+def gguf_weights(path: Path, config: ModelConfig) -> dict[str, QuantizedWeight]:
     """A .gguf file's matrices in their own blocks, by HF name (kvserve.model.gguf's
     `packed_weights`: q/k rows already in HF order), copied out of the mapped file."""
     from kvserve.model.gguf import packed_weights
