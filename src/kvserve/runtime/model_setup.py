@@ -43,7 +43,8 @@ def load_rank_model(args: EngineArgs, shard: ShardSpec, device: str) -> tuple[Lo
     if args.quantization == "gguf":
         if not is_gguf(loaded.path):
             raise ValueError(f"quantization='gguf' keeps a .gguf model's blocks, but {path} is "
-                             "not one; pass a gguf model (a .gguf file), or q4_0/q4_1/q8_0 to quantize")
+                             "not one; pass a gguf model (a .gguf file), or q4_0/q4_1/q8_0 "
+                             "to quantize")
         pack_quantized(loaded.model, gguf_weights(loaded.path, loaded.config))
     elif args.quantization:
         pack_quantized(loaded.model, quantize_weights(loaded.model, args.quantization.upper()))
