@@ -17,6 +17,7 @@ from benchmarks import (
     gateway_cli,
     grammar_cli,
     lora_cli,
+    precision_cli,
     preemption_cli,
     profile_cli,
     real_chats_cli,
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     server_path_cli.add_parser(commands)
     real_structured_cli.add_parser(commands)
     real_chats_cli.add_parser(commands)
+    precision_cli.add_parser(commands)
     return parser
 
 

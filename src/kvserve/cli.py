@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from kvserve import __version__
-from kvserve.bench import engine_cli, kvcache_cli, routers_cli, serve_cli
+from kvserve.bench import engine_cli, kvcache_cli, machine, routers_cli, serve_cli
 from kvserve.gateway.cli import epp as epp_command
 from kvserve.gateway.cli import gateway as gateway_command
 from kvserve.gateway.cli import up as up_command
@@ -31,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
     kvcache_cli.add_parser(benches)
     engine_cli.add_parser(benches)
+    machine.add_parser(benches)
     serve_cli.add_parser(benches)
     routers_cli.add_parser(benches)
     serve_command.add_parser(commands)

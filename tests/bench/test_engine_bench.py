@@ -34,8 +34,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_json(capsys, *argv: str) -> list[dict]:
+    limits = [] if "--machine-limits" in argv else ["--no-machine-limits"]
     code = main(["bench", "engine", *argv, "--json", "--kv-cache-gib", "0.01", "--threads", "1",
-                 "--max-model-len", "256", *SIZE_FLAGS])
+                 "--max-model-len", "256", *SIZE_FLAGS, *limits])
     assert code == 0
     return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
 
@@ -69,6 +70,30 @@ def test_json_shape_without_peers(capsys, model_dir):
         assert ours["output_tok_per_s"] > 0 and ours["seconds"] > 0
         assert 0 < ours["ttft_p50_s"] <= ours["ttft_p99_s"] <= ours["seconds"]
         assert ours["info"]["num_kv_blocks"] > 0
+
+
+def test_precision_modes_run_as_systems_with_their_shares_of_the_limits(capsys, model_dir,
+                                                                        monkeypatch):
+    monkeypatch.setattr("kvserve.bench.machine.BANDWIDTH_BYTES", 32 << 20)
+    cells = run_json(capsys, "--model", str(model_dir), "--peer", "none", "--workload",
+                     DECODE_HEAVY, "--precision", "float32", "q8_0", "--machine-limits")
+    (cell,) = cells
+    assert list(cell["systems"]) == ["kvserve", "kvserve-q8_0"]
+    assert cell["ratios_kvserve_over"] == {}  # modes of kvserve are not peers
+    q8 = cell["systems"]["kvserve-q8_0"]
+    assert q8["info"]["quantization"] == "q8_0" and q8["output_tokens"] == 3 * 6
+    assert 0 <= q8["parity_vs_kvserve"] <= 1  # greedy agreement with float32
+    assert cell["machine"]["read_gb_s"] > 0
+    for system in cell["systems"].values():
+        share = system["info"]["of_limits"]
+        assert share["weight_gb_s"] > 0 and share["gflops"] > 0
+        assert share["of_read_bandwidth"] == pytest.approx(
+            share["weight_gb_s"] / cell["machine"]["read_gb_s"])
+    # 8-bit weights: fewer bytes a step than float32's, at the same step rate or a faster one.
+    fp32, q8i = (cell["systems"][s]["info"]["of_limits"] for s in ("kvserve", "kvserve-q8_0"))
+    fp32_steps = cell["systems"]["kvserve"]["output_tok_per_s"]
+    q8_steps = q8["output_tok_per_s"]
+    assert q8i["weight_gb_s"] / q8_steps < fp32["weight_gb_s"] / fp32_steps
 
 
 def test_an_absent_peer_is_reported_as_skipped(capsys, model_dir, monkeypatch):

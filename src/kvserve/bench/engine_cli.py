@@ -1,10 +1,10 @@
 """`kvserve bench engine`: offline throughput and TTFT of kvserve's engine, side by side with
 vLLM's CPU build and transformers' batched `generate`, on the same token ids, in the same run.
 
-All systems: float32, greedy, EOS ignored, exactly `max_tokens` per request, the same torch/OpenMP
-thread count, prefix caching on where the system has it, the same KV cache budget (kvserve and
-vLLM). What each system times is stated in engine_systems.py and the repository's
-benchmarks/peers/vllm_engine_driver.py.
+All systems: float32 (kvserve also in each `--precision` mode), greedy, EOS ignored, exactly
+`max_tokens` per request, the same torch/OpenMP thread count, prefix caching on where the system
+has it, the same KV cache budget (kvserve and vLLM). What each system times is stated in
+engine_systems.py and the repository's benchmarks/peers/vllm_engine_driver.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import IO, Any
 from rich.console import Console
 
 from kvserve.bench.engine_report import Cell, print_table
-from kvserve.bench.engine_systems import HF, KVSERVE, VLLM, RunResult
+from kvserve.bench.engine_systems import HF, KVSERVE, PRECISIONS, VLLM, RunResult, kvserve_system
 from kvserve.bench.engine_workloads import (
     MODEL_NAMES,
     WORKLOADS,
@@ -31,6 +31,7 @@ from kvserve.bench.engine_workloads import (
     build_workload,
     ensure_bench_model,
 )
+from kvserve.bench.machine import MachineLimits, format_limits, fraction_of_limit, measure
 from kvserve.bench.peers_env import peer_driver, vllm_python, vllm_unavailable
 from kvserve.bench.plots import ENGINE_PNG, PlotsUnavailable, engine_plot, require_plots
 
@@ -43,6 +44,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--model", nargs="+", default=list(MODEL_NAMES), metavar="M",
                    help=f"{', '.join(MODEL_NAMES)} (random weights, cached) or a checkpoint dir")
     p.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    p.add_argument("--precision", nargs="+", default=["float32"], choices=PRECISIONS,
+                   help="kvserve's modes, each a system (q*: projections kept in that GGUF "
+                   "type, lm_head q8_0); the first is the reference the others' parity is to")
+    p.add_argument("--machine-limits", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the GEMM rates and memory bandwidth first (kvserve bench "
+                   "machine) and report kvserve's figures as shares of them (default on)")
     p.add_argument("--peer", nargs="+", default=["auto"], choices=["auto", *PEERS, "none"],
                    help="peers to measure alongside (auto: every installed peer)")
     d = WorkloadSizes()
@@ -148,18 +155,20 @@ def run_driver(cmd: list[str], log: IO[str], timeout: float) -> tuple[int | None
 
 
 def run_in_process(system: str, model_dir: Path, workloads: list[Workload],
-                   args: argparse.Namespace, err: Console) -> list[RunResult]:
-    """kvserve or HF on every workload of a model; a failing peer becomes skipped runs."""
+                   args: argparse.Namespace, err: Console,
+                   precision: str = "float32") -> list[RunResult]:
+    """kvserve (in `precision`) or HF on every workload of a model; a failing peer becomes
+    skipped runs."""
     from kvserve.bench.engine_systems import HFRunner, KVServeRunner
 
     try:
-        if system == KVSERVE:
+        if system.startswith(KVSERVE):
             runner: Any = KVServeRunner(str(model_dir), kv_cache_bytes(args), args.threads,
-                                        args.max_model_len)
+                                        args.max_model_len, precision, system)
         else:
             runner = HFRunner(str(model_dir), args.threads)
     except Exception as exc:
-        if system == KVSERVE:
+        if system.startswith(KVSERVE):
             raise
         err.print(f"[yellow]{system} failed to load: {exc}[/]", soft_wrap=True)
         return [RunResult(system, skipped=f"load failed: {exc}") for _ in workloads]
@@ -169,12 +178,26 @@ def run_in_process(system: str, model_dir: Path, workloads: list[Workload],
             try:
                 runs.append(runner.run(w, args.repeats))
             except Exception as exc:
-                if system == KVSERVE:
+                if system.startswith(KVSERVE):
                     raise
                 runs.append(RunResult(system, skipped=f"failed: {type(exc).__name__}: {exc}"))
     finally:
         runner.close()
     return runs
+
+
+def add_limit_shares(model_dir: Path, precision: str, workloads: list[Workload],
+                     runs: list[RunResult], limits: MachineLimits) -> None:
+    """Record in each run's info its shares of the machine's limits (machine.fraction_of_limit;
+    concurrency: the workload's requests, all submitted at once)."""
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    for w, run in zip(workloads, runs, strict=True):
+        if run.skipped is not None or not run.seconds:
+            continue
+        out_per_s = run.num_output_tokens / run.seconds
+        all_per_s = (run.num_output_tokens + w.num_prompt_tokens) / run.seconds
+        run.info["of_limits"] = fraction_of_limit(config, precision, limits, out_per_s,
+                                                  len(w.prompts), all_per_s)
 
 
 def kv_cache_bytes(args: argparse.Namespace) -> int:
@@ -202,6 +225,9 @@ def run(args: argparse.Namespace) -> int:
     for name, reason in peers.items():
         if reason is not None:
             err.print(f"[yellow]{name}: skipped: {reason}[/]", soft_wrap=True)
+    limits = measure(args.threads) if args.machine_limits else None
+    if limits is not None:
+        err.print(format_limits(limits), soft_wrap=True, highlight=False, markup=False)
     cells: list[Cell] = []
     for model, model_dir in model_dirs.items():
         workloads = [build_workload(w, sizes, model_vocab_size(model_dir))
@@ -211,12 +237,18 @@ def run(args: argparse.Namespace) -> int:
             err.print(f"[red]{model}: prompt + output reaches {longest} tokens, over "
                       f"--max-model-len {args.max_model_len}[/]", soft_wrap=True)
             return 2
-        err.print(f"[dim]{model}: running kvserve[/]")
-        try:
-            by_system = {KVSERVE: run_in_process(KVSERVE, model_dir, workloads, args, err)}
-        except ValueError as exc:  # e.g. --max-model-len beyond the model's positions
-            err.print(f"[red]{model}: {exc}[/]", soft_wrap=True)
-            return 2
+        by_system: dict[str, list[RunResult]] = {}
+        for precision in dict.fromkeys(args.precision):
+            system = kvserve_system(precision)
+            err.print(f"[dim]{model}: running {system}[/]")
+            try:
+                by_system[system] = run_in_process(system, model_dir, workloads, args, err,
+                                                   precision)
+            except ValueError as exc:  # e.g. --max-model-len beyond the model's positions
+                err.print(f"[red]{model}: {exc}[/]", soft_wrap=True)
+                return 2
+            if limits is not None:
+                add_limit_shares(model_dir, precision, workloads, by_system[system], limits)
         for peer, reason in peers.items():
             err.print(f"[dim]{model}: running {peer}[/]")
             if reason is not None:
@@ -228,13 +260,13 @@ def run(args: argparse.Namespace) -> int:
         for i, w in enumerate(workloads):
             cell = Cell(model, str(model_dir), w, [runs[i] for runs in by_system.values()])
             cells.append(cell)
-            line = json.dumps(cell.as_dict())
+            line = json.dumps(cell.as_dict() | ({"machine": limits.as_dict()} if limits else {}))
             if args.json:
                 print(line, flush=True)
             if args.json_out is not None:
                 with open(args.json_out, "a", encoding="utf-8") as f:
                     f.write(line + "\n")
-    title = (f"engine throughput and TTFT ({args.threads} threads, float32, greedy, "
+    title = (f"engine throughput and TTFT ({args.threads} threads, greedy, "
              f"{args.kv_cache_gib:g} GiB KV)")
     if not args.json:
         print_table(cells, title)

@@ -1,7 +1,9 @@
 """Summaries of `kvserve bench engine` runs: per-system figures, ratios, the JSON and the table.
 
 Ratios are kvserve / peer on the same model and workload in the same run: above 1 for output
-tokens/s means kvserve is faster; below 1 for TTFT means kvserve answers sooner.
+tokens/s means kvserve is faster; below 1 for TTFT means kvserve answers sooner. "kvserve" is
+the first kvserve mode run (`--precision`'s first); the others' parity is their greedy
+agreement with it.
 """
 
 from __future__ import annotations
@@ -53,12 +55,12 @@ class Cell:
 
     def as_dict(self) -> dict[str, Any]:
         """The `--json` object: sizes, per-system summaries, and kvserve/peer ratios."""
-        ours = next((r for r in self.runs if r.system == KVSERVE), None)
+        ours = next((r for r in self.runs if r.system.startswith(KVSERVE)), None)
         systems = {r.system: summarize(r, ours) for r in self.runs}
         ratios: dict[str, dict[str, float | None]] = {}
-        mine = systems.get(KVSERVE, {})
+        mine = systems.get(ours.system, {}) if ours is not None else {}
         for name, peer in systems.items():
-            if name == KVSERVE or "skipped" in peer or "skipped" in mine or not mine:
+            if name.startswith(KVSERVE) or "skipped" in peer or "skipped" in mine or not mine:
                 continue
             ratios[name] = {
                 "output_tok_per_s": _ratio(mine["output_tok_per_s"], peer["output_tok_per_s"]),
@@ -109,3 +111,11 @@ def print_table(cells: Sequence[Cell], title: str) -> None:
     # Off a terminal (pipes, CI logs) rich would wrap at 80 columns; a table reads better whole.
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     sys.stdout.flush()
+    for cell in cells:
+        for run in cell.runs:
+            share = run.info.get("of_limits")
+            if share:
+                print(f"{cell.model} {cell.workload.name} {run.system}: weights read "
+                      f"{share['weight_gb_s']:.2f} GB/s = {share['of_read_bandwidth']:.0%} of "
+                      f"the read bandwidth; matmuls {share['gflops']:.1f} GFLOP/s = "
+                      f"{share['of_gemm_rate']:.0%} of the GEMM rate")

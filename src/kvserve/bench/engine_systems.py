@@ -23,6 +23,12 @@ from kvserve.bench.engine_workloads import Workload
 KVSERVE = "kvserve"
 HF = "hf"
 VLLM = "vllm"
+PRECISIONS = ("float32", "bfloat16", "q4_0", "q4_1", "q8_0")  # kvserve's modes (--precision)
+
+
+def kvserve_system(precision: str) -> str:
+    """The system name of kvserve in `precision`: plain "kvserve" for float32."""
+    return KVSERVE if precision == "float32" else f"{KVSERVE}-{precision}"
 
 
 @dataclass(slots=True)
@@ -75,10 +81,15 @@ class KVServeRunner:
     """kvserve's LLMEngine, stepped by hand: add every request, then `step()` until drained."""
 
     def __init__(self, model_dir: str, kv_cache_bytes: int, num_threads: int,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, precision: str = "float32",
+                 system: str = KVSERVE) -> None:
         from kvserve.runtime import EngineArgs, LLMEngine
 
-        self.args = EngineArgs(model=model_dir, dtype="float32", enable_prefix_caching=True,
+        quantized = precision in PRECISIONS[2:]
+        self.system = system
+        self.args = EngineArgs(model=model_dir, dtype="float32" if quantized else precision,
+                               quantization=precision if quantized else None,
+                               enable_prefix_caching=True,
                                kv_cache_memory_bytes=kv_cache_bytes, num_threads=num_threads,
                                max_model_len=max_model_len)
         self.engine = LLMEngine.from_args(self.args)
@@ -86,7 +97,8 @@ class KVServeRunner:
 
     def info(self) -> dict[str, Any]:
         a = self.args
-        return {"block_size": a.block_size, "max_num_seqs": a.max_num_seqs,
+        return {"dtype": a.dtype, "quantization": a.quantization, "block_size": a.block_size,
+                "max_num_seqs": a.max_num_seqs,
                 "max_num_batched_tokens": a.max_num_batched_tokens,
                 "num_kv_blocks": self.engine.kv_cache.stats().num_blocks}
 
@@ -118,7 +130,7 @@ class KVServeRunner:
                 tokens[i].extend(new)
                 cached[i] = out.num_cached_tokens
         seconds = time.perf_counter() - start
-        return RunResult(KVSERVE, seconds, sum(len(t) for t in tokens),
+        return RunResult(self.system, seconds, sum(len(t) for t in tokens),
                          [f - s for f, s in zip(first, submitted, strict=True)], tokens,
                          {"cached_prompt_tokens": sum(cached)})
 

@@ -1,7 +1,8 @@
 """kvserve's CPU kernels (the C sources in csrc/): built on first use, loaded through ctypes.
 
 The kernels serve float32 on x86-64 CPUs with AVX-512: attention and paged decode
-(cpu_attention), and the fused position-wise ops of a layer (cpu_pointwise). Where they cannot
+(cpu_attention), the fused position-wise ops of a layer (cpu_pointwise), and matmuls by weights
+kept in GGUF's 4- and 8-bit blocks (quant_linear). Where they cannot
 be built, or are turned off, `library()` is None and every caller takes its PyTorch path, which
 stays the reference the kernels are tested against.
 
@@ -46,6 +47,8 @@ _SIGNATURES = {  # every exported kernel's parameters (each returns int: 0 on su
     "kvserve_rms_norm": (_P, _L, _P, _L, _P, _P, _L, _L, _L, _F, _I),
     "kvserve_silu_mul": (_P, _L, _P, _L, _L, _L, _I),
     "kvserve_rotary": (_P, _L, _L, _L, _L, _L, _P, _P, _I),
+    "kvserve_q4_matmul": (_P, _L, _P, _P, _P, _P, _L, _L, _L, _L, _I),
+    "kvserve_q8_matmul": (_P, _L, _P, _P, _P, _L, _L, _L, _L, _I),
 }
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None

@@ -6,7 +6,7 @@ checkpoint's tensors load by name.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, TypedDict
 
 import torch
@@ -15,6 +15,8 @@ from torch import nn
 
 from kvserve.model import cpu_pointwise
 from kvserve.model.onednn_linear import PackedLinear
+
+LinearOp = Callable[[torch.Tensor], torch.Tensor]  # x [T, in] -> [T, out]: a packed projection
 
 
 class FactoryKwargs(TypedDict):
@@ -86,16 +88,17 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **kw)
 
         self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self.packed_gate_up: PackedLinear | None = None
-        self.packed_down: PackedLinear | None = None
+        self.packed_gate_up: LinearOp | None = None
+        self.packed_down: LinearOp | None = None
         self.lora: ProjectionDeltas | None = None  # LoRA adapters' deltas, when served
 
-    def pack(self) -> None:
-        """Serve the fused gate/up and down_proj from oneDNN-packed weights (after `fuse`),
-        dropping the dense copies: inference only from here on."""
+    def pack(self, gate_up: LinearOp | None = None, down: LinearOp | None = None) -> None:
+        """Serve the fused gate/up and down_proj from packed weights (after `fuse`): the given
+        ops (e.g. quantized ones), else oneDNN-packed copies of the dense weights, which are
+        dropped either way: inference only from here on."""
         assert self.gate_up is not None, "fuse before packing"
-        self.packed_gate_up = PackedLinear(*self.gate_up)
-        self.packed_down = PackedLinear(self.down_proj.weight, self.down_proj.bias)
+        self.packed_gate_up = gate_up or PackedLinear(*self.gate_up)
+        self.packed_down = down or PackedLinear(self.down_proj.weight, self.down_proj.bias)
         self.gate_up = None
         drop_dense(self.gate_proj, self.up_proj, self.down_proj)
 

@@ -17,7 +17,14 @@ from torch import nn
 
 from kvserve.model.attention_metadata import AttentionMetadata
 from kvserve.model.config import ModelConfig
-from kvserve.model.layers import FactoryKwargs, GatedMLP, ProjectionDeltas, RMSNorm, drop_dense
+from kvserve.model.layers import (
+    FactoryKwargs,
+    GatedMLP,
+    LinearOp,
+    ProjectionDeltas,
+    RMSNorm,
+    drop_dense,
+)
 from kvserve.model.onednn_linear import PackedLinear
 from kvserve.model.paged_attention import KVCache, paged_attention
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary_
@@ -48,16 +55,17 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **kw)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, **kw)
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
-        self.packed_qkv: PackedLinear | None = None
-        self.packed_o: PackedLinear | None = None
+        self.packed_qkv: LinearOp | None = None
+        self.packed_o: LinearOp | None = None
         self.lora: ProjectionDeltas | None = None  # LoRA adapters' deltas, when served
 
-    def pack(self) -> None:
-        """Serve the fused q/k/v and o_proj from oneDNN-packed weights (after `fuse`), dropping
-        the dense copies: inference only from here on."""
+    def pack(self, qkv: LinearOp | None = None, o: LinearOp | None = None) -> None:
+        """Serve the fused q/k/v and o_proj from packed weights (after `fuse`): the given ops
+        (e.g. quantized ones), else oneDNN-packed copies of the dense weights, which are
+        dropped either way: inference only from here on."""
         assert self.qkv is not None, "fuse before packing"
-        self.packed_qkv = PackedLinear(*self.qkv)
-        self.packed_o = PackedLinear(self.o_proj.weight, self.o_proj.bias)
+        self.packed_qkv = qkv or PackedLinear(*self.qkv)
+        self.packed_o = o or PackedLinear(self.o_proj.weight, self.o_proj.bias)
         self.qkv = None
         drop_dense(self.q_proj, self.k_proj, self.v_proj, self.o_proj)
 
@@ -176,7 +184,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config, **kw)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **kw)
-        self.packed_lm_head: PackedLinear | None = None
+        self.packed_lm_head: LinearOp | None = None
         self.tie_weights()
 
     def fuse_projections(self) -> None:

@@ -26,6 +26,17 @@ def _has_pointwise_op() -> bool:
         return False
 
 
+def has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16, read from
+    /proc/cpuinfo). oneDNN also runs bf16 on plain AVX-512 by converting, slower than fp32."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether linear layers on `device` in `dtype` can run through oneDNN (bf16 only where the
     CPU has oneDNN's bf16 instructions: elsewhere packing a bf16 weight fails at load)."""

@@ -37,6 +37,10 @@ class EngineArgs:
     `onednn_linear`: on CPU, run the linear layers through oneDNN with prepacked weights (the
     same fp32 math, in another summation order; PyTorch's default BLAS takes a slow path on AMD
     CPUs); False keeps PyTorch's `F.linear`.
+    `quantization`: on CPU, run the projections and lm_head from weights kept in GGUF blocks
+    (model/quant_linear; decode reads 4-8x fewer bytes): "gguf" keeps a .gguf model's own
+    blocks (Q4_0/Q4_1/Q8_0 packed, other types dequantized); "q4_0", "q4_1", "q8_0" quantize
+    a dense checkpoint's projections at load (the lm_head to q8_0); None: dense weights.
     `cpu_kernels`: on CPU, run attention and the fused position-wise ops through kvserve's own
     kernels (model/cpu_kernels; float32, AVX-512, built with the system's C compiler on first
     use, else PyTorch's ops); False keeps PyTorch's ops. Process-wide.
@@ -73,6 +77,7 @@ class EngineArgs:
     num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
     served_model_name: str | None = None
     onednn_linear: bool = True
+    quantization: str | None = None
     cpu_kernels: bool = True
     reuse_host_memory: bool = True
     gpu_memory_utilization: float | None = None
@@ -129,6 +134,12 @@ class EngineArgs:
                              f"{self.collective_timeout_s}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.quantization not in (None, "gguf", "q4_0", "q4_1", "q8_0"):
+            raise ValueError(f"quantization must be gguf, q4_0, q4_1 or q8_0 (or None), got "
+                             f"{self.quantization!r}")
+        if self.quantization and (self.device != "cpu" or self.tensor_parallel_size > 1):
+            raise ValueError("quantization runs on CPU with one rank; drop it or use "
+                             "device='cpu' and tensor_parallel_size=1")
         if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")

@@ -22,7 +22,6 @@ ALREADY_SO: dict[str, tuple[object, ...]] = {
     "enforce_eager": (True, False),  # kvserve always runs eagerly (no CUDA graphs)
     "disable_log_stats": (True, False),  # kvserve logs no periodic stats
     "enable_chunked_prefill": (True, None),  # prefill is always chunked
-    "quantization": (None,),
     "tokenizer_mode": ("auto",),
     "pipeline_parallel_size": (1,),
     "data_parallel_size": (1,),

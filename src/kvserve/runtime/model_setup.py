@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from kvserve.model import LoadedModel, cpu_kernels, load_model
-from kvserve.model.onednn_linear import onednn_available
+from kvserve.model.gguf.locate import is_gguf
+from kvserve.model.onednn_linear import has_native_bf16, onednn_available
+from kvserve.model.quantized_model import gguf_weights, pack_quantized, quantize_weights
 from kvserve.model.tensor_parallel import ShardSpec
 from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.memory_budget import model_bytes
 
+_LOG = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -24,12 +29,24 @@ def load_rank_model(args: EngineArgs, shard: ShardSpec, device: str) -> tuple[Lo
     loaded (packing replaces them with copies the module tree no longer counts)."""
     path = args.model_path()
     dtype = DTYPES[args.dtype] if args.dtype else None
+    if dtype == torch.bfloat16 and torch.device(device).type == "cpu" and not has_native_bf16():
+        _LOG.warning("--dtype bfloat16: this CPU has no bf16 instructions (AVX512-BF16 or "
+                     "AMX), where bf16 matmuls run slower than float32; running float32")
+        dtype = torch.float32
     loaded = load_model(path, device=device, dtype=dtype, shard=shard, revision=args.revision,
                         cache_dir=args.download_dir, hf_config_path=args.hf_config_path)
     weight_bytes = model_bytes(loaded.model)
     cpu_kernels.set_enabled(args.cpu_kernels)
     if args.cpu_kernels and loaded.device.type == "cpu":
         cpu_kernels.available()
-    if args.onednn_linear and onednn_available(loaded.device, loaded.dtype):
+    if args.quantization == "gguf":
+        if not is_gguf(loaded.path):
+            raise ValueError(f"quantization='gguf' keeps a .gguf model's blocks, but {path} is "
+                             "not one; pass a gguf model (a .gguf file), or q4_0/q4_1/q8_0 "
+                             "to quantize")
+        pack_quantized(loaded.model, gguf_weights(loaded.path, loaded.config))
+    elif args.quantization:
+        pack_quantized(loaded.model, quantize_weights(loaded.model, args.quantization.upper()))
+    elif args.onednn_linear and onednn_available(loaded.device, loaded.dtype):
         loaded.model.pack_for_onednn()
     return loaded, weight_bytes

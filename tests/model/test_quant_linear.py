@@ -1,0 +1,147 @@
+"""Weights kept in GGUF's blocks: kvserve's decoding equals gguf's, every kernel path computes
+what a dense matmul by the dequantized weight does, and a packed model keeps its logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.model import AttentionMetadata, allocate_kv_caches, cpu_kernels, load_model
+from kvserve.model.ggml_blocks import (
+    QuantizedWeight,
+    concat_rows,
+    dequantize,
+    int4_codes,
+    quantize,
+)
+from kvserve.model.quant_linear import (
+    KERNEL_MAX_TOKENS,
+    BlockKernelLinear,
+    DequantizedLinear,
+    Int4Linear,
+    make_quantized_linear,
+)
+from kvserve.model.quantized_model import pack_quantized, quantize_weights
+
+gguf = pytest.importorskip("gguf")
+TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def _weight(ggml_type: str, out: int = 96, inp: int = 128, seed: int = 0) -> QuantizedWeight:
+    gen = torch.Generator().manual_seed(seed)
+    return quantize(torch.randn(out, inp, generator=gen) * 0.1, ggml_type)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_kvserves_decoding_equals_the_gguf_packages(ggml_type: str) -> None:
+    weight = _weight(ggml_type)
+    reference = gguf.quants.dequantize(weight.data.numpy(),
+                                       gguf.GGMLQuantizationType[ggml_type])
+    assert torch.equal(dequantize(weight), torch.from_numpy(np.ascontiguousarray(reference)))
+
+
+@pytest.mark.parametrize("ggml_type", ["Q4_0", "Q4_1"])
+def test_4bit_types_fit_torchs_int4_form_exactly(ggml_type: str) -> None:
+    # torch's op computes (q - 8) * scale + zero per group of 32: Q4_1's d*q + m is scale d,
+    # zero m + 8d; Q4_0's d*(q - 8) is scale d, zero 0.
+    weight = _weight(ggml_type)
+    codes, scale, zero = int4_codes(weight)
+    assert codes.min() >= 0 and codes.max() <= 15
+    form = (codes.float() - 8).view(96, 4, 32) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
+    assert torch.equal(form.view(96, 128), dequantize(weight))
+    if ggml_type == "Q4_0":
+        assert not zero.any()
+
+
+def _paths() -> list[str]:
+    return ["c_kernel", "torch_int4", "portable"]
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("path", _paths())
+def test_every_path_computes_the_dequantized_matmul(ggml_type: str, path: str) -> None:
+    weight = _weight(ggml_type)
+    gen = torch.Generator().manual_seed(1)
+    bias = torch.randn(96, generator=gen)
+    dense = dequantize(weight).double()
+    if path == "c_kernel" and not cpu_kernels.available():
+        pytest.skip("kvserve's CPU kernels need x86-64 with AVX-512 and a C compiler")
+    kernel = {"c_kernel": "auto", "torch_int4": "torch_int4", "portable": "portable"}[path]
+    layer = make_quantized_linear(weight, bias, kernel=kernel)
+    expected_type = {"c_kernel": BlockKernelLinear, "torch_int4": Int4Linear,
+                     "portable": DequantizedLinear}[path]
+    assert isinstance(layer, expected_type)
+    # torch's int4 path rounds activations and scales to bf16; the others stay float32.
+    tol = 3e-2 if path == "torch_int4" else 1e-5
+    for tokens in (1, 5, KERNEL_MAX_TOKENS + 8):  # the last one decodes the weight whole
+        x = torch.randn(tokens, 128, generator=gen)
+        want = x.double() @ dense.t() + bias.double()
+        got = layer(x)
+        assert got.shape == (tokens, 96) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
+        assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_auto_without_kvserves_kernels_takes_torchs_int4_op() -> None:
+    with cpu_kernels.disabled():
+        assert isinstance(make_quantized_linear(_weight("Q4_1")), Int4Linear)
+    # Types the packed paths do not read run dequantized.
+    q5 = _weight("Q5_0", out=8)
+    layer = make_quantized_linear(q5)
+    assert isinstance(layer, DequantizedLinear)
+    x = torch.randn(2, 128)
+    torch.testing.assert_close(layer(x), x @ dequantize(q5).t(), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_blocks_are_refused_with_the_fix() -> None:
+    good = _weight("Q4_1")
+    with pytest.raises(ValueError, match="take 80 bytes"):
+        QuantizedWeight("Q4_1", (96, 128), good.data[:, :60])
+    with pytest.raises(ValueError, match="uint8"):
+        QuantizedWeight("Q4_1", (96, 128), good.data.int())
+    with pytest.raises(ValueError, match="one ggml type"):
+        concat_rows([good, _weight("Q8_0")])
+    with pytest.raises(ValueError, match="kernel must be"):
+        make_quantized_linear(good, kernel="fast")
+
+
+def _logits(model: torch.nn.Module, config: object, ids: torch.Tensor) -> torch.Tensor:
+    meta = AttentionMetadata.from_lists([len(ids)], [len(ids)], [[0, 1, 2]], 16)
+    kv = allocate_kv_caches(config, 3, 16, dtype=torch.float32, device="cpu")  # type: ignore[arg-type]
+    hidden = model(ids, torch.arange(len(ids)), kv, meta)
+    return model.compute_logits(hidden)  # [T, vocab]
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2_bias_tied"])
+@pytest.mark.parametrize("kernel", ["auto", "portable"])
+def test_a_packed_model_gives_the_dequantized_models_logits(
+        arch: str, kernel: str, arch_checkpoints: dict[str, Path]) -> None:
+    path = arch_checkpoints[arch]
+    packed, reference = load_model(path), load_model(path)
+    weights = quantize_weights(packed.model, "Q4_1")
+    pack_quantized(packed.model, weights, kernel=kernel)
+    # The reference: the same blocks dequantized into the dense model's parameters; a tied
+    # lm_head is untied there, since the packed model keeps its embeddings dense.
+    head = weights.pop("lm_head.weight")
+    reference.model.lm_head.weight = torch.nn.Parameter(dequantize(head), requires_grad=False)
+    params = dict(reference.model.named_parameters())
+    with torch.no_grad():
+        for name, weight in weights.items():
+            params[name].copy_(dequantize(weight))
+    config = packed.model.config
+    ids = torch.randint(4, config.vocab_size, (21,), generator=torch.Generator().manual_seed(3))
+    got, want = _logits(packed.model, config, ids), _logits(reference.model, config, ids)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    layer = packed.model.model.layers[0]
+    assert layer.self_attn.q_proj.weight.numel() == layer.mlp.down_proj.weight.numel() == 0
+
+
+def test_packing_names_a_missing_weight(llama_dir: Path) -> None:
+    loaded = load_model(llama_dir)
+    weights = quantize_weights(loaded.model, "Q8_0")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight"):
+        pack_quantized(loaded.model, weights)

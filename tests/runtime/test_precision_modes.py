@@ -1,0 +1,60 @@
+"""--dtype bfloat16 and --quantization as the engine applies them at load."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve.model import write_random_checkpoint
+from kvserve.model.quant_linear import BlockKernelLinear, Int4Linear
+from kvserve.model.tensor_parallel import ShardSpec
+from kvserve.runtime import EngineArgs, model_setup
+from tests.model.arch_configs import base_config
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = base_config() | {"intermediate_size": 512}  # every input width a multiple of 32
+    return write_random_checkpoint(tmp_path_factory.mktemp("modes") / "m", config, seed=5)
+
+
+def test_quantization_is_checked_at_the_boundary() -> None:
+    with pytest.raises(ValueError, match="q4_0, q4_1 or q8_0"):
+        EngineArgs(quantization="int4")
+    with pytest.raises(ValueError, match="on CPU with one rank"):
+        EngineArgs(quantization="q4_1", device="cuda")
+
+
+def test_quantization_serves_every_projection_packed(model_dir: Path) -> None:
+    pytest.importorskip("gguf")
+    args = EngineArgs(model=str(model_dir), quantization="q4_1")
+    loaded, _ = model_setup.load_rank_model(args, ShardSpec(0, 1), "cpu")
+    layer = loaded.model.model.layers[0]
+    packed = (BlockKernelLinear, Int4Linear)
+    assert isinstance(layer.self_attn.packed_qkv, packed)
+    assert isinstance(layer.mlp.packed_down, packed)
+    assert isinstance(loaded.model.packed_lm_head, packed)
+    assert layer.mlp.gate_proj.weight.numel() == 0  # the dense copies are gone
+
+
+def test_bf16_without_bf16_instructions_warns_and_runs_float32(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Stands in for a CPU without AVX512-BF16/AMX (this one may have them).
+    monkeypatch.setattr(model_setup, "has_native_bf16", lambda: False)
+    args = EngineArgs(model=str(model_dir), dtype="bfloat16")
+    with caplog.at_level(logging.WARNING, logger="kvserve.runtime.model_setup"):
+        loaded, _ = model_setup.load_rank_model(args, ShardSpec(0, 1), "cpu")
+    assert loaded.dtype == torch.float32
+    assert "no bf16 instructions" in caplog.text
+
+
+def test_bf16_runs_bf16_where_the_cpu_has_it(model_dir: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_setup, "has_native_bf16", lambda: True)
+    args = EngineArgs(model=str(model_dir), dtype="bfloat16")
+    loaded, _ = model_setup.load_rank_model(args, ShardSpec(0, 1), "cpu")
+    assert loaded.dtype == torch.bfloat16
