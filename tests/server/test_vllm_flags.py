@@ -49,6 +49,12 @@ def test_tokenizer_and_hf_config_path_overrides_reach_the_engine() -> None:
     assert engine_args_from(parse("m")).tokenizer is None
 
 
+def test_quantization_keeps_a_supported_method_and_nothing_else() -> None:
+    assert parse("m").quantization is None
+    assert parse("m", "--quantization", "gguf").quantization == "gguf"
+    assert parse("m", "-q", "q4_1").quantization == "q4_1"
+
+
 def test_the_model_given_twice_differently_is_an_error() -> None:
     with pytest.raises(ValueError, match="given twice"):
         parse("a", "--model", "b")
@@ -58,6 +64,7 @@ def test_the_model_given_twice_differently_is_an_error() -> None:
 @pytest.mark.parametrize(("argv", "named"), [
     (["--quantization", "awq"], "--quantization awq"),
     (["-q", "gptq"], "-q gptq"),
+    (["-q", "fp8"], "-q fp8"),
     (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2"),
     (["--data-parallel-size", "4"], "--data-parallel-size 4"),

@@ -144,6 +144,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         hf_config_path=args.hf_config_path,
         enable_lora=args.enable_lora, max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras,
+        quantization=args.quantization,
     )
 
 

@@ -23,8 +23,6 @@ ALREADY_SO = {
 
 # Flags kvserve cannot honour: (names, takes a value, why / what to do instead).
 REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
-    (("--quantization", "-q"), True,
-     "kvserve serves unquantized checkpoints (float32, bfloat16, float16); leave it out"),
     (("--speculative-config",), True, "kvserve has no speculative decoding; leave it out"),
     (("--enable-sleep-mode",), False, "kvserve has no sleep mode; stop the worker instead"),
     (("--ssl-keyfile", "--ssl-certfile"), True,
@@ -33,6 +31,8 @@ REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
      "kvserve sends no CORS headers; put browsers behind a proxy that adds them"),
     (("--root-path",), True, "kvserve serves at the root; strip the prefix in the proxy"),
 )
+
+QUANTIZATIONS = ("gguf", "q4_0", "q4_1", "q8_0")  # weights kept packed (model/quantized_model)
 
 # Flags honoured only at their single-device values: (names, allowed values, why not others).
 SINGLE_DEVICE = (
@@ -50,17 +50,22 @@ UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 class _Refuse(argparse.Action):
-    """Fails parsing with `reason` as soon as the flag appears."""
+    """Fails parsing with `reason` as soon as the flag appears, unless its value is one of
+    `allowed` (then kept under `dest` when `keep`, else ignored)."""
 
     def __init__(self, option_strings: Sequence[str], dest: str, reason: str = "",
-                 allowed: tuple[str, ...] = (), **kwargs: Any) -> None:
+                 allowed: tuple[str, ...] = (), keep: bool = False, **kwargs: Any) -> None:
         self.reason = reason
         self.allowed = allowed
-        super().__init__(option_strings, dest, default=argparse.SUPPRESS, **kwargs)
+        self.keep = keep
+        super().__init__(option_strings, dest,
+                         default=None if keep else argparse.SUPPRESS, **kwargs)
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: Any, option_string: str | None = None) -> None:
         if self.allowed and values in self.allowed:
+            if self.keep:
+                setattr(namespace, self.dest, values)
             return
         shown = f"{option_string} {values}" if isinstance(values, str) else option_string
         parser.error(f"{shown}: {self.reason}")
@@ -94,6 +99,11 @@ def add_engine_vllm_arguments(p: argparse.ArgumentParser) -> None:
     for names, allowed, reason in SINGLE_DEVICE:
         p.add_argument(*names, action=_Refuse, allowed=allowed, reason=reason,
                        help=f"only {' or '.join(allowed)}: {reason}")
+    p.add_argument("--quantization", "-q", action=_Refuse, allowed=QUANTIZATIONS, keep=True,
+                   reason=f"kvserve runs {', '.join(QUANTIZATIONS)} (CPU, one rank); leave it "
+                          "out for the checkpoint's own dtype",
+                   help="gguf: keep a .gguf file's Q4_0/Q4_1/Q8_0 blocks packed; q4_0, q4_1, "
+                        "q8_0: quantize a dense checkpoint's projections at load (CPU only)")
 
 
 def add_server_vllm_arguments(p: argparse.ArgumentParser) -> None:
