@@ -5,14 +5,16 @@ Also the per-fault figures: time to detect, to name, to recover, requests affect
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections import Counter
 from pathlib import Path
 from statistics import median
 from typing import Any
 
-from benchmarks.chaos.alerts import firing
+from benchmarks.chaos.alerts import eval_minutes, firing
 from benchmarks.chaos.faults import FAULTS
+from benchmarks.chaos.load import REQUEST_TIMEOUT_S
 
 RSS_BOUND_MIB, RSS_BOUND_FRACTION = 48.0, 0.10  # growth after warm-up: max of the two
 FDS_BOUND, THREADS_BOUND = 16, 8
@@ -23,7 +25,23 @@ STICKY = {"corruption": {"corruption"}}  # counted since start: still named afte
 CONSEQUENCES = {"saturation"}
 # Alerts on the clients' answer to any fault that delays answers (SDK retries and resends):
 # true while the fault lasts, so allowed in any fault's window, never outside one.
-CONSEQUENCE_ALERTS = {"KVServeClientsResending", "KVServeGatewayRetryStorm"}
+CONSEQUENCE_ALERTS = {"KVServeClientsResending", "KVServeGatewayRetryStorm",
+                      "KVServeGatewayRejecting"}  # and load shed while capacity is down
+RATE_WINDOW_MIN = 5  # the rules' rate windows: a condition may show this late
+
+
+def alert_delays() -> dict[str, int]:
+    """Each alert's `for`, in minutes of rule time (scrapes): how late it may fire."""
+    import yaml  # type: ignore[import-untyped]
+
+    from benchmarks.chaos.recorder import RULES
+
+    out = {}
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        for rule in group["rules"]:
+            if "alert" in rule:
+                out[rule["alert"]] = eval_minutes(str(rule.get("for", "0m")))
+    return out
 
 
 def load_rows(path: Path) -> list[dict[str, Any]]:
@@ -84,20 +102,34 @@ def growth(rows: list[dict[str, Any]], after: float) -> list[dict[str, Any]]:
     return out
 
 
+def _scrape_time(times: list[float], index: int, interval: float) -> float:
+    """When scrape `index` was taken (scrapes stretch on a loaded machine), or would be."""
+    if index < len(times):
+        return times[index]
+    return (times[-1] if times else 0.0) + (index - len(times) + 1) * interval
+
+
 def judge(out: Path) -> dict[str, Any]:
     run = json.loads((out / "run.json").read_text())
     requests = load_rows(out / "requests.jsonl")
     interval = float(run["config"]["interval_s"])
     settle = float(run["config"]["settle_s"])
     spans = alert_intervals(out)
+    times = json.loads((out / "series.json").read_text())["times"]
     outcomes = Counter(r["outcome"] for r in requests)
     explained: set[int] = set()
     per_fault = []
+    delays = alert_delays()
     for f in run["faults"]:
         fault = FAULTS[f["fault"]]
         back = f["recovered"] or f["end"]
-        window = (f["inject"], back + settle + 4 * interval)
-        fired = [i for i, s in enumerate(spans) if window[0] <= s["start"] <= window[1]
+        # an alert belongs to the fault if it starts firing while the fault lasts, or as late
+        # after as its own `for` and rate window allow (in scrapes)
+        # the scrape after it settled and after the clients' retries of requests it delayed
+        settled = bisect.bisect_left(times, back + settle + REQUEST_TIMEOUT_S)
+        fired = [i for i, s in enumerate(spans)
+                 if f["inject"] <= s["start"] <= _scrape_time(
+                     times, settled + delays.get(s["alert"], 0) + RATE_WINDOW_MIN + 1, interval)
                  and s["alert"] in fault.must | fault.may | CONSEQUENCE_ALERTS]
         explained |= set(fired)
         names = {spans[i]["alert"] for i in fired}

@@ -72,7 +72,7 @@ def test_a_lost_request_fails_the_run(tmp_path: Path) -> None:
 
 
 def test_an_alert_no_fault_explains_fails_the_run(tmp_path: Path) -> None:
-    plant(tmp_path / "run", corruption_at=92)  # long after the fault's window
+    plant(tmp_path / "run", corruption_at=97)  # long after the fault's window
     result = judge(tmp_path / "run")
     assert [s["alert"] for s in result["unexplained_alerts"]] == ["KVServeCacheCorruption"]
     assert result["verdicts"]["no_unexplained_alert"] is False
