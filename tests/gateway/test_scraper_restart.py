@@ -94,3 +94,34 @@ def test_an_exposition_written_by_prometheus_client_is_read() -> None:
     worker = WorkerState("http://w")
     apply_metrics(worker, generate_latest(registry).decode())
     assert (worker.num_running, worker.prefix_queries) == (2, 640.0)
+
+
+def test_a_scrape_that_fails_past_http_errors_marks_that_worker_alone_and_the_round_goes_on(
+        ) -> None:
+    asyncio.run(_one_failing_scrape())
+
+
+async def _one_failing_scrape() -> None:
+    def answer(url: str, path: str) -> tuple[int, str]:
+        return (200, "ok") if path == "/health" else (200, exposition(10.0, 0.0))
+
+    client = UpstreamClient()
+    async with loopback_workers(2, answer) as (a, b):
+        pool = WorkerPool([a, b])
+
+        def on_capacity(url: str, tokens: int) -> None:
+            raise AssertionError("unreached: these pages declare no capacity")
+
+        def on_restart(url: str) -> None:
+            if url == a:
+                raise RuntimeError("a policy's index refused the restart")
+
+        scraper = Scraper(pool, client, on_restart=on_restart, on_capacity=on_capacity)
+        await scraper.scrape_once()
+        pool.workers[b].healthy = False  # ejected meanwhile: the next good scrape readmits it
+        apply_metrics(pool.workers[a], exposition(99.0, 0.0))  # a's next page is a "restart"
+        await scraper.scrape_once()  # a's callback raises; b's scrape must still land
+        await client.aclose()
+    assert pool.workers[b].healthy
+    assert not pool.workers[a].healthy
+    assert "a policy's index refused the restart" in (pool.workers[a].last_error or "")

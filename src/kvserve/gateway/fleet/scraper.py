@@ -12,6 +12,7 @@ parsing every family, which costs the gateway's CPU on every scrape.
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +22,8 @@ from kvserve.gateway.fleet.foreign_load import ForeignLoad
 from kvserve.gateway.fleet.periodic import Periodic
 from kvserve.gateway.fleet.upstream_http import UpstreamClient, UpstreamError
 from kvserve.gateway.fleet.worker_pool import WorkerPool, WorkerState
+
+log = logging.getLogger(__name__)
 
 # series name (a counter's `_total` sample counts too) -> WorkerState field
 _SERIES = {
@@ -160,7 +163,7 @@ class Scraper(Periodic):
 
     async def scrape_once(self) -> None:
         shared = self.foreign.shared
-        await asyncio.gather(*(self._scrape(w) for w in self.pool.workers.values()))
+        await asyncio.gather(*(self._scrape_isolated(w) for w in self.pool.workers.values()))
         if self.foreign.shared != shared and self.on_shared is not None:
             self.on_shared(self.foreign.shared)
         if self.on_scraped is not None:
@@ -175,6 +178,17 @@ class Scraper(Periodic):
                                if url in self.pool.workers))
         if self.on_scraped is not None:
             self.on_scraped()
+
+    async def _scrape_isolated(self, worker: WorkerState) -> None:
+        """`_scrape`, with a failure past the HTTP errors it handles (a page that breaks the
+        parser, a callback that raises) logged and counted against this worker only: it is
+        marked unhealthy until a scrape succeeds, and the others' scrapes go on."""
+        try:
+            await self._scrape(worker)
+        except Exception as exc:
+            log.exception("kvserve gateway: scraping %s failed", worker.url)
+            self.pool.record_health(worker.url, False, time.monotonic(),
+                                    f"scrape failed: {type(exc).__name__}: {exc}")
 
     def forget(self, url: str) -> None:
         """The worker left the fleet: drop what the last scrapes kept of it."""
