@@ -22,7 +22,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--settle-s", type=float, default=15.0)
     p.add_argument("--interval-s", type=float, default=5.0,
                    help="seconds between two recordings (one minute of alert-rule time)")
-    p.add_argument("--model", default=None, help="the workers' model (default: the demo model)")
+    p.add_argument("--model", default=None,
+                   help="the workers' model (default: the random-weight demo model, fast; "
+                        "give the real default model's GGUF to soak on real weights)")
     p.add_argument("--no-envoy", action="store_true", help="no Envoy + picker in front")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cycles", type=int, default=0,
@@ -46,8 +48,8 @@ def run_chaos(args: argparse.Namespace) -> int:
     # SIGTERM (timeout, kill) must still stop the fleet: the run's `finally` does, on an exit.
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
     config = Config(args.out, args.duration_s, faults, args.workers, args.rps, args.warmup_s,
-                    args.settle_s, args.interval_s, args.model, not args.no_envoy, args.seed,
-                    args.hold_scale, args.cycles)
+                    args.settle_s, args.interval_s, _model(args.model), not args.no_envoy,
+                    args.seed, args.hold_scale, args.cycles)
     run(config)
     from benchmarks.chaos.report import write_report
 
@@ -57,3 +59,12 @@ def run_chaos(args: argparse.Namespace) -> int:
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
+
+
+def _model(given: str | None) -> str:
+    """The workers' model: `given`, else the demo model (kvserve's own default is the real
+    SmolLM2, too slow for a fleet of faults on two cores)."""
+    if given:
+        return given
+    from kvserve.runtime.demo_model import ensure_demo_model
+    return str(ensure_demo_model())
