@@ -16,7 +16,7 @@ from kvserve.bench.peers_env import peer_driver, vllm_unavailable
 from kvserve.cli import build_parser as kvserve_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-USER_BENCHES = {"kvcache", "engine", "serve", "gateway"}
+USER_BENCHES = {"kvcache", "engine", "serve", "gateway", "machine"}
 DOCS = [ROOT / "README.md", ROOT / "benchmarks" / "README.md",
         *sorted((ROOT / "docs").glob("*.md"))]
 PREFIXES = ("kvserve bench ", "python -m benchmarks ")

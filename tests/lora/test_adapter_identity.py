@@ -124,8 +124,8 @@ def test_44250_pd_transfer_keys_carry_the_adapter(files) -> None:
         "torch").float32).digest  # the adapter's own digest, from its files
     assert export_prompt_blocks(eng, PROMPT, None, 0, 4, digest) is not None
     assert export_prompt_blocks(eng, PROMPT, None, 0, 4, None) is None  # never as the base's
-    assert prompt_block_hashes(eng, PROMPT, None, 4, digest) != prompt_block_hashes(
-        eng, PROMPT, None, 4, None)
+    assert prompt_block_hashes(eng.info, PROMPT, None, 4, digest) != prompt_block_hashes(
+        eng.info, PROMPT, None, 4, None)
 
 
 def test_44250_the_host_tier_keeps_the_adapter_in_its_keys(files) -> None:
