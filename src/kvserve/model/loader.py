@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,13 +30,13 @@ from kvserve.model.gguf.quant_types import check_supported
 from kvserve.model.gguf.reader import open_gguf
 from kvserve.model.gguf.weights import load_gguf_weights
 from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.tensor_parallel import ShardSpec, TensorSlice, shard_config, tensor_slice
+from kvserve.model.tensor_parallel import ShardSpec, TensorSlice, shard_config
+from kvserve.model.weight_checks import raise_on_mismatch, rank_shape
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja"]
 _TOKENIZER_PATTERNS = ["tokenizer*.json", "special_tokens_map.json", "*.jinja"]
-_MAX_LISTED = 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,24 +281,13 @@ def load_weights(model: nn.Module, path: Path, config: ModelConfig | None = None
     for file, names in by_file.items():
         with _open_safetensors(file) as f:
             for name in names:
-                shape = list(f.get_slice(name).get_shape())
-                if config is not None:
-                    slices[name] = part = tensor_slice(name, shape, config, shard)
-                    if part is not None and not part.zero:
-                        shape[part.dim] = part.stop - part.start
+                shape, slices[name] = rank_shape(name, f.get_slice(name).get_shape(), config,
+                                                 shard)
                 if shape != list(params[name].shape):
                     mismatched.append(f"{name}: checkpoint {shape}, model "
                                       f"{list(params[name].shape)}")
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {_listing(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {_listing(unexpected)}")
-    if mismatched:
-        problems.append(f"shape mismatches: {_listing(mismatched)}")
-    if problems:
-        raise ModelLoadError(f"{path}: checkpoint does not match config.json "
-                             f"({type(model).__name__}): " + "; ".join(problems))
+    raise_on_mismatch(f"{path}: checkpoint does not match config.json "
+                      f"({type(model).__name__})", missing, unexpected, mismatched)
     with torch.no_grad():
         for file, names in by_file.items():
             with _open_safetensors(file) as f:
@@ -328,9 +317,3 @@ def _open_safetensors(file: Path) -> Iterator[Any]:
     except Exception as exc:  # safetensors raises its own SafetensorError and plain errors
         raise ModelLoadError(f"{file}: not a readable safetensors file, or a tensor the index "
                              f"names is absent ({exc})") from exc
-
-
-def _listing(items: Iterable[str]) -> str:
-    items = list(items)
-    shown = ", ".join(items[:_MAX_LISTED])
-    return shown + (f" and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else "")

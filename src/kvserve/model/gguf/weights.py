@@ -14,13 +14,11 @@ import torch
 from torch import nn
 
 from kvserve.model.config import ModelConfig
-from kvserve.model.errors import ModelLoadError
 from kvserve.model.gguf.names import IGNORED, hf_name, qk_row_order
 from kvserve.model.gguf.quant_types import check_supported, dequantize
 from kvserve.model.gguf.reader import GGUFFile, TensorRecord
-from kvserve.model.tensor_parallel import ShardSpec, TensorSlice, tensor_slice
-
-_MAX_LISTED = 12
+from kvserve.model.tensor_parallel import ShardSpec, TensorSlice
+from kvserve.model.weight_checks import raise_on_mismatch, rank_shape
 
 
 def load_gguf_weights(model: nn.Module, gguf_file: GGUFFile, config: ModelConfig,
@@ -47,23 +45,12 @@ def load_gguf_weights(model: nn.Module, gguf_file: GGUFFile, config: ModelConfig
     for name, record in by_param.items():
         if name not in params:
             continue
-        shape = list(record.shape)
-        slices[name] = part = tensor_slice(name, shape, config, shard)
-        if part is not None and not part.zero:
-            shape[part.dim] = part.stop - part.start
+        shape, slices[name] = rank_shape(name, record.shape, config, shard)
         if shape != list(params[name].shape):
             mismatched.append(f"{record.name} -> {name}: file {shape}, model "
                               f"{list(params[name].shape)}")
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {_listing(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {_listing(unexpected)}")
-    if mismatched:
-        problems.append(f"shape mismatches: {_listing(mismatched)}")
-    if problems:
-        raise ModelLoadError(f"{gguf_file.path}: tensors do not match the config "
-                             f"({type(model).__name__}): " + "; ".join(problems))
+    raise_on_mismatch(f"{gguf_file.path}: tensors do not match the config "
+                      f"({type(model).__name__})", missing, unexpected, mismatched)
     with torch.no_grad():
         for name, record in by_param.items():
             order = qk_row_order(name, config, gguf_file.architecture)
@@ -90,8 +77,3 @@ def _values(record: TensorRecord, order: np.ndarray | None,
         values = values[tuple(index)]
     values = np.ascontiguousarray(values)
     return values if values.flags.writeable else values.copy()  # F32 rows view the file
-
-
-def _listing(items: list[str]) -> str:
-    shown = ", ".join(items[:_MAX_LISTED])
-    return shown + (f" and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else "")
