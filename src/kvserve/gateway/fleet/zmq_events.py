@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable
 
 import zmq
@@ -43,6 +44,7 @@ from kvserve.kvevents.wire import (
 
 log = logging.getLogger(__name__)
 
+SUBSCRIPTION_SETTLE_S = 0.5  # after a join, when the follow-up replay runs
 DEFAULT_REPLAY_TIMEOUT_S = 2.0
 EVENT_TYPES = {StoredBlocks: "stored", RemovedBlocks: "removed", AllCleared: "cleared"}
 
@@ -212,13 +214,23 @@ class ZmqEventFollower:
             await self._resync(url, feed, stream, rank, replay, None)  # what came before us
             if url in self._ready:  # synced: what is published from now on arrives
                 self._ready[url].set()
+            # The handshake can precede the publisher's reading of the subscription: a batch
+            # sent in between is dropped with nothing after it to reveal the gap. One more
+            # replay once the subscription has surely landed recovers it.
+            settle_at = None if replay is None else time.monotonic() + SUBSCRIPTION_SETTLE_S
             while True:
-                ready = dict(await poller.poll())
+                wait_ms = (None if settle_at is None
+                           else max(0, int((settle_at - time.monotonic()) * 1000)))
+                ready = dict(await poller.poll(wait_ms))
+                if settle_at is not None and time.monotonic() >= settle_at:
+                    settle_at = None
+                    await self._resync(url, feed, stream, rank, replay, None)
                 if joined in ready:  # (re)connected: what it sent meanwhile was dropped
                     await joined.recv_multipart()
                     if replay is not None:
                         stats.resyncs[ResyncReason.JOIN] += 1
                         await self._resync(url, feed, stream, rank, replay, None)
+                        settle_at = time.monotonic() + SUBSCRIPTION_SETTLE_S
                 if sub in ready:
                     message = self._decode(url, stream, await sub.recv_multipart())
                     if message is not None:
