@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -315,13 +316,25 @@ def test_cpu_readings_count_what_the_processes_used_per_request(tmp_path: Path) 
     spinner = _Spinner("spinner", tmp_path, 5.0)
     assert spinner.cpu_seconds() is None  # not running
     spinner.launch()
+    pid = spinner.pid
+    assert pid is not None
+
+    def reading() -> CpuReading:
+        # Paused, the spinner's CPU time holds still, so reading it as router and as worker
+        # gives one figure (running, the two reads could straddle a clock tick).
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            return CpuReading.of([spinner], [spinner])
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
     try:
-        before = CpuReading.of([spinner], [spinner])
+        before = reading()
         deadline = 10.0
         while (spinner.cpu_seconds() or 0.0) - (before.router_s or 0.0) < 0.2 and deadline > 0:
             deadline -= 0.05
             time.sleep(0.05)
-        after = CpuReading.of([spinner], [spinner])
+        after = reading()
     finally:
         spinner.stop()
     per_request = after.per_request_ms(before, 10)
