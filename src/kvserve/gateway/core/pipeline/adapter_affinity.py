@@ -8,21 +8,34 @@ tenants of many adapters spread over every worker). The tiers (1.0 / 0.8 / 0.6 /
 Gateway API Inference Extension's `lora-affinity` scorer, read from the same metric
 (`vllm:lora_requests_info`, which kvserve and vLLM workers both export), and are weighed
 against prefix hits and load in one score (`scorers.py`).
+
+The signal is thin where traffic is light: the metric names the adapters of running requests,
+not those loaded and idle, so an adapter nobody runs this second has a free-slot tie on most
+workers. `AdapterOrder` breaks such ties alike on every replica: a request under an adapter
+ranks workers by its tier first, then in the adapter's own rendezvous order, so the adapter's
+tenants gather on the same workers (and a prefix nobody holds is placed there, under the load
+bound) instead of scattering by their prefixes.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 
 from kvserve.gateway.core.pipeline.base import RouteRequest, WorkerView
+from kvserve.gateway.core.pipeline.pipeline import Order
+from kvserve.gateway.core.pipeline.rendezvous import rendezvous_order
+
+_ADAPTER_DOMAIN = b"kvserve.gateway.adapter-rendezvous.v1"
 
 DEFAULT_ADAPTER_WEIGHT = 8.0
-"""A worker running the request's adapter counts as eight fewer requests of load (or eight
-more cached blocks) than one that must load it into a busy slot: measured in the simulator
-(docs/benchmarks.md, "Adapter affinity"): at 8 the adapter loads per request of a
-many-adapters workload fall to about what lora_affinity alone gets, while the hit rate stays
-cache_aware's; weaker weights leave most of the loads, stronger ones pile an adapter's tenants
-onto one worker past its batch."""
+"""A worker running the request's adapter counts as eight requests of load (or eight cached
+blocks) more than one that must load it into a busy slot. Measured in the simulator
+(docs/benchmarks.md, "Adapter affinity": 16 tenants over 8 adapters, 4 workers, 2 slots each):
+from 2 to 8 the loads per request are the same (the tier order does most of the work) and the
+hit rate is prefix-only routing's; at 16 and 32 a few more loads are saved at 6 requests/s but
+hits are lost, as requests leave cached prefixes for their adapter.
+"""
 
 
 def check_adapter_weight(adapter_weight: float) -> None:
@@ -45,5 +58,25 @@ class AdapterAffinity:
         adapter = request.adapter
         if adapter is None:
             return [0.0] * len(workers)
-        return [self.adapter_weight * w.adapters.affinity(adapter) if w.adapters is not None
-                else 0.0 for w in workers]
+        return [self.adapter_weight * adapter_tier(w, adapter) for w in workers]
+
+
+def adapter_tier(worker: WorkerView, adapter: str) -> float:
+    """The worker's affinity tier for `adapter` (0 when it reports no adapters)."""
+    return worker.adapters.affinity(adapter) if worker.adapters is not None else 0.0
+
+
+class AdapterOrder:
+    """Pipeline order: a request under an adapter ranks the candidates by affinity tier, then
+    in the adapter's rendezvous order (module doc); any other request in `fallback`'s."""
+
+    def __init__(self, fallback: Order) -> None:
+        self.fallback = fallback
+
+    def order(self, request: RouteRequest, workers: Sequence[WorkerView]) -> list[WorkerView]:
+        adapter = request.adapter
+        if adapter is None:
+            return self.fallback.order(request, workers)
+        key = hashlib.sha256(_ADAPTER_DOMAIN + adapter.encode("utf-8", "surrogatepass")).digest()
+        ranked = rendezvous_order(key, workers)
+        return sorted(ranked, key=lambda w: -adapter_tier(w, adapter))  # stable within a tier

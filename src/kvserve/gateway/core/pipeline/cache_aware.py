@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvserve.gateway.core.pipeline.adapter_affinity import (
     DEFAULT_ADAPTER_WEIGHT,
     AdapterAffinity,
+    AdapterOrder,
 )
 from kvserve.gateway.core.pipeline.base import Branch
 from kvserve.gateway.core.pipeline.filters import Healthy
@@ -45,7 +46,8 @@ class CacheAwarePolicy(Pipeline):
     learn their own traffic, and agree on where a new prefix goes unless
     `cold_placement="footprint"` (`replica_safe`). A request under a LoRA adapter also scores
     where its adapter is loaded (`adapter_affinity.AdapterAffinity`, `adapter_weight`; 0: not
-    at all), and the scores place it even when nobody holds its prefix."""
+    at all), and a prefix nobody holds goes first where its adapter runs
+    (`adapter_affinity.AdapterOrder`)."""
 
     name = "cache_aware"
 
@@ -76,14 +78,14 @@ class CacheAwarePolicy(Pipeline):
         by_rendezvous = cold_placement == "rendezvous"
         super().__init__(
             filters=[Healthy()],
-            order=RendezvousOrder(DEFAULT_PREFIX_BLOCKS),
+            order=(AdapterOrder(RendezvousOrder(DEFAULT_PREFIX_BLOCKS)) if adapter_weight > 0
+                   else RendezvousOrder(DEFAULT_PREFIX_BLOCKS)),
             index=index,
             scorers=[PrefixHits(block_credit), Load(load_weight),
                      Backlog(backlog_weight, block_credit), adapters,
                      *([] if by_rendezvous else [Footprint(footprint_weight, index)])],
             picker=BestScore(Branch.AFFINITY, cold=BoundedLoad(DEFAULT_LOAD_FACTOR, room=index)
-                             if by_rendezvous else None,
-                             adapters_scored=adapter_weight > 0),
+                             if by_rendezvous else None),
         )
 
     @property

@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvserve.gateway.core.pipeline.adapter_affinity import (
     DEFAULT_ADAPTER_WEIGHT,
     AdapterAffinity,
+    AdapterOrder,
 )
 from kvserve.gateway.core.pipeline.base import Branch
 from kvserve.gateway.core.pipeline.filters import Healthy
@@ -15,10 +16,11 @@ from kvserve.gateway.core.pipeline.scorers import DEFAULT_LOAD_WEIGHT, Load, che
 
 
 class LoRAAffinityPolicy(Pipeline):
-    """Healthy -> rendezvous order -> adapter affinity and load, weighted -> the best score.
+    """Healthy -> adapter order (`AdapterOrder`) -> adapter affinity and load, weighted -> the
+    best score.
     No prefix index: where a request's adapter runs, not what is cached, decides (as a router
     built on the `lora-affinity` and queue scorers alone does); `cache_aware` and `precise`
-    weigh the same scorer against prefix hits. Ties keep the rendezvous order, so replicas
+    weigh the same scorer against prefix hits. Ties keep the adapter's order, so replicas
     agree while loads are equal."""
 
     name = "lora_affinity"
@@ -31,7 +33,7 @@ class LoRAAffinityPolicy(Pipeline):
         self.load_weight = load_weight
         super().__init__(
             filters=[Healthy()],
-            order=RendezvousOrder(DEFAULT_PREFIX_BLOCKS),
+            order=AdapterOrder(RendezvousOrder(DEFAULT_PREFIX_BLOCKS)),
             scorers=[AdapterAffinity(adapter_weight), Load(load_weight)],
             picker=BestScore(Branch.AFFINITY),
         )

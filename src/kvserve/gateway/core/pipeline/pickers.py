@@ -98,23 +98,18 @@ class BestScore:
     """The candidate with the highest summed score (ties keep the order). Branch:
     `hit_branch` when it holds the longest cached prefix, SPILL when another holds more,
     LEAST_LOAD when none holds any. `cold`: when given, it places a prefix no candidate
-    holds (branch LEAST_LOAD, no predicted hit) instead of the scores; with `adapters_scored`
-    (the scores weigh adapter affinity) not a request under a LoRA adapter, which the scores
-    place: where its adapter is loaded matters more than where its prefix hashes."""
+    holds (branch LEAST_LOAD, no predicted hit) instead of the scores."""
 
-    def __init__(self, hit_branch: Branch, cold: Picker | None = None,
-                 adapters_scored: bool = False) -> None:
+    def __init__(self, hit_branch: Branch, cold: Picker | None = None) -> None:
         self.hit_branch = hit_branch
         self.cold = cold
-        self.adapters_scored = adapters_scored
 
     def pick(self, request: RouteRequest, workers: list[WorkerView], hits: Mapping[str, int],
              scores: Sequence[float]) -> RouteDecision:
         # Invariant: the choice maximises the one continuous score; no branch is a separate
         # rule (but for a prefix nobody holds, when `cold` places it).
         best = max(hits.values(), default=0)
-        if (best == 0 and self.cold is not None
-                and not (self.adapters_scored and request.adapter is not None)):
+        if best == 0 and self.cold is not None:
             cold = self.cold.pick(request, workers, hits, scores)
             return RouteDecision(cold.worker_id, Branch.LEAST_LOAD, cold.ranked, 0)
         ranked = sorted(range(len(workers)), key=scores.__getitem__, reverse=True)  # stable

@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from kvserve.gateway.core.pipeline.adapter_affinity import (
     DEFAULT_ADAPTER_WEIGHT,
     AdapterAffinity,
+    AdapterOrder,
 )
 from kvserve.gateway.core.pipeline.base import Branch
 from kvserve.gateway.core.pipeline.filters import Healthy
@@ -81,12 +82,12 @@ class PrecisePolicy(Pipeline):
                                         max_pending_blocks_per_worker)
         super().__init__(
             filters=[Healthy()],
-            order=RendezvousOrder(DEFAULT_PREFIX_BLOCKS),
+            order=(AdapterOrder(RendezvousOrder(DEFAULT_PREFIX_BLOCKS)) if adapter_weight > 0
+                   else RendezvousOrder(DEFAULT_PREFIX_BLOCKS)),
             index=index,
             scorers=[PrefixHits(block_credit), Load(load_weight),
                      Backlog(backlog_weight, block_credit), adapters],
-            picker=BestScore(Branch.PRECISE_HIT, cold=BoundedLoad(DEFAULT_LOAD_FACTOR),
-                             adapters_scored=adapter_weight > 0),
+            picker=BestScore(Branch.PRECISE_HIT, cold=BoundedLoad(DEFAULT_LOAD_FACTOR)),
         )
 
     def set_synced(self, worker_id: str, synced: bool) -> None:
