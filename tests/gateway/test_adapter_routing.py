@@ -211,3 +211,16 @@ def test_a_prefix_nobody_holds_goes_where_its_adapter_runs() -> None:
         f"tenant {i} " * 100, f"t{i}", adapter="legal")), bare)[0].worker_id
         for i in range(6)}
     assert len(firsts) == 1
+
+
+def test_the_gateway_flag_maps_tenants_and_refuses_a_malformed_one() -> None:
+    from kvserve.cli import build_parser
+    from kvserve.gateway.cli.gateway import settings_from_args
+
+    parser = build_parser()
+    flags = ["gateway", "--worker", "http://w", "--salt-secret", "s" * 32]
+    settings = settings_from_args(parser.parse_args(
+        [*flags, "--tenant-adapter", "fin=finance", "--tenant-adapter", "ops=sql"]), ["http://w"])
+    assert dict(settings.tenant_adapters) == {"fin": "finance", "ops": "sql"}
+    with pytest.raises(ValueError, match="write TENANT=ADAPTER"):
+        settings_from_args(parser.parse_args([*flags, "--tenant-adapter", "fin"]), ["http://w"])
