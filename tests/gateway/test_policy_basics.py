@@ -74,7 +74,8 @@ def test_decisions_rank_every_healthy_worker_once_chosen_first(name: str) -> Non
 
 
 def test_the_factory_checks_names_and_options_at_the_boundary() -> None:
-    expected = {"round_robin", "least_load", "prefix_hash", "cache_aware", "precise"}
+    expected = {"round_robin", "least_load", "prefix_hash", "cache_aware", "precise",
+                "lora_affinity"}
     assert set(POLICY_NAMES) == expected
     assert make_policy("prefix_hash", load_factor=1.5).name == "prefix_hash"
     with pytest.raises(ValueError, match="choose one of round_robin"):

@@ -119,3 +119,5 @@ def test_metrics_name_the_adapters_as_vllm(server) -> None:
     assert max(value for _, value in info) > 1.7e9  # a Unix time, as vLLM's
     assert metrics.value("kvserve:lora_adapter_loads_total", adapter="a0") >= 1
     assert metrics.value("kvserve:lora_rows_total", adapter="a1") > 0
+    assert [v for n, _, v in metrics.samples if n == "kvserve:lora_requests_waiting_for_slot"] \
+        == [0.0]  # idle: nobody waits for a slot

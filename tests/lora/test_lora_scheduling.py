@@ -32,6 +32,7 @@ def test_at_most_max_loras_adapters_run_in_one_step_and_base_rows_fill_in() -> N
     ran = {item.request.request_id for item in out.scheduled}
     assert ran == {"a1", "a2", "b", "a4"}  # z waits; base and x (already in) go ahead of it
     assert scheduler.num_waiting_for_adapter == 1 and scheduler.num_deferred == 0
+    assert scheduler.counts().num_waiting_for_adapter == 1  # what /metrics exports
     assert len({i.request.lora.digest for i in out.scheduled if i.request.lora}) == 2
     while core.has_unfinished:
         core.step()

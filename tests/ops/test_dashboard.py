@@ -100,7 +100,28 @@ def exported(servers: Servers) -> set[str]:
     KV-event subscriber's families are only there)."""
     return exported_names(servers.worker.metrics_text()) | exported_names(
         servers.gateway.metrics_text()) | exported_names(TP_METRICS.read_text()) | (
-        precise_gateway_names())
+        precise_gateway_names()) | lora_worker_names()
+
+
+def lora_worker_names() -> set[str]:
+    """What a worker started with --enable-lora adds (its collector, over an engine's
+    published parts: the registry's counters, the stats snapshot, the limits)."""
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from kvserve.server.lora_metrics import LoRACollector
+
+    counts = Counter({"a0": 1})
+    engine = SimpleNamespace(
+        lora=SimpleNamespace(loads=counts, evictions=counts, host_evictions=counts, rows=counts),
+        stats=SimpleNamespace(running_loras=("a0",), waiting_loras=(),
+                              num_waiting_for_adapter=0),
+        info=SimpleNamespace(args=SimpleNamespace(max_loras=2)))
+    registry = CollectorRegistry()
+    registry.register(LoRACollector(engine))  # type: ignore[arg-type]
+    return exported_names(generate_latest(registry).decode())
 
 
 def precise_gateway_names() -> set[str]:

@@ -71,3 +71,21 @@ def test_a_bad_policy_option_is_refused_before_any_run(capsys: pytest.CaptureFix
     assert "has no option nope" in capsys.readouterr().err
     assert main(["simulate", "--trace", "multi-tenant", "--policy", "cache_aware@x"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_simulate_an_adapter_workload_reports_loads_per_request(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert main(["simulate", "--trace", "multi-tenant", "--tenants", "8", "--requests", "60",
+                 "--rate", "12", "--skew", "0", "--prefix-tokens", "512,1024",
+                 "--suffix-tokens", "32,96", "--output-tokens", "8", "--workers", "2",
+                 "--profile", "h100", "--adapters", "6", "--max-loras", "2",
+                 "--adapter-load-ms", "30", "--policy", "cache_aware,lora_affinity",
+                 "--jobs", "1", "--out", str(out)]) == 0
+    assert "loads/req" in capsys.readouterr().out
+    runs = json.loads((out / "results.json").read_text())["runs"]
+    assert all(r["adapter_loads"] > 0 and r["audit_ok"] for r in runs)
+    assert all(r["adapter_loads_per_request"] == r["adapter_loads"] / r["num_ok"] for r in runs)
+    assert main(["simulate", "--trace", "multi-tenant", "--adapters", "2",
+                 "--max-loras", "0"]) == 2
+    assert "--max-loras >= 1" in capsys.readouterr().err

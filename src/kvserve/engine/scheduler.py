@@ -80,6 +80,7 @@ class SchedulerCounts:
     num_scheduled_tokens: int  # tokens whose KV the steps computed (recomputes too)
     running_loras: tuple[str, ...] = ()  # distinct LoRA adapter names running (sorted)
     waiting_loras: tuple[str, ...] = ()  # ... and waiting (vLLM's lora_requests_info)
+    num_waiting_for_adapter: int = 0  # waiting requests the last step left for --max-loras
 
 
 @dataclass(slots=True)
@@ -165,7 +166,7 @@ class Scheduler:
         return SchedulerCounts(len(self.running), len(self.waiting), self.num_deferred,
                                self.num_preemptions, self.num_swap_preemptions,
                                self.num_scheduled_tokens, _adapter_names(self.running),
-                               _adapter_names(self.waiting))
+                               _adapter_names(self.waiting), self.num_waiting_for_adapter)
 
     # -- one step -------------------------------------------------------------------------
 

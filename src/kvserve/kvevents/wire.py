@@ -85,6 +85,12 @@ def adapter_extra_key(digest: bytes) -> str:
     return ADAPTER_KEY_PREFIX + digest.hex()
 
 
+def adapter_name_digest(lora_name: str) -> bytes:
+    """A vLLM worker's adapter identity: sha256 of its name (vLLM keys an adapter's blocks by
+    name, so the name is all a reader of its events can key by)."""
+    return hashlib.sha256(b"vllm-lora-name:" + lora_name.encode()).digest()
+
+
 def parse_first_block_keys(extra: tuple[object, ...] | None,
                            lora_name: str | None) -> tuple[bytes | None, str | None]:
     """(adapter digest, cache salt) from a first block's untagged extra keys: kvserve's
@@ -98,7 +104,7 @@ def parse_first_block_keys(extra: tuple[object, ...] | None,
         digest = bytes.fromhex(first[len(ADAPTER_KEY_PREFIX):])
         values.pop(0)
     elif lora_name is not None:
-        digest = hashlib.sha256(b"vllm-lora-name:" + lora_name.encode()).digest()
+        digest = adapter_name_digest(lora_name)
         if values and values[0] == lora_name:
             values.pop(0)
     salt = next((v for v in values if isinstance(v, str)), None)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvserve.ops.adapter_checks import check_adapter_thrashing
 from kvserve.ops.collective_checks import (
     CAUSES,
     check_collectives,
@@ -19,8 +20,8 @@ from kvserve.ops.worker_checks import block_size_of, check_worker, hit_rates
 
 # Within a severity: causes before symptoms (a leak before the audit that it fails).
 READING_ORDER = (Problem.DOWN, Problem.COLLECTIVE, Problem.CORRUPTION, Problem.LEAK,
-                 Problem.THRASHING, Problem.SATURATION, Problem.AUDIT, Problem.MISCONFIGURATION,
-                 Problem.NOTE)
+                 Problem.THRASHING, Problem.ADAPTER_THRASHING, Problem.SATURATION, Problem.AUDIT,
+                 Problem.MISCONFIGURATION, Problem.NOTE)
 
 
 def diagnose(observations: Sequence[Observation]) -> Report:
@@ -31,7 +32,7 @@ def diagnose(observations: Sequence[Observation]) -> Report:
         if obs.kind is Kind.GATEWAY:
             findings += check_gateway(obs, workers_behind(obs, workers))
         elif obs.kind.is_worker:
-            findings += with_differential(obs, check_worker(obs))
+            findings += with_differential(obs, check_worker(obs) + check_adapter_thrashing(obs))
         elif obs.first.error or obs.second.error:
             findings.append(Finding(obs.url, Problem.DOWN, Severity.CRITICAL,
                                     "cannot read the target",

@@ -21,7 +21,8 @@ STYLES = {Severity.INFO: "cyan", Severity.WARNING: "yellow", Severity.CRITICAL: 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("doctor", help="diagnose live workers and gateways (leaks, corruption, "
-                                      "thrashing, saturation, misconfiguration)")
+                                      "prefix and adapter thrashing, saturation, "
+                                      "misconfiguration)")
     p.add_argument("urls", nargs="+", metavar="URL",
                    help="a worker's or gateway's base URL (kind told from its /metrics)")
     p.add_argument("--interval", type=float, default=5.0,

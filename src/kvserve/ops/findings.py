@@ -23,7 +23,8 @@ class Problem(enum.StrEnum):
     LEAK = "leak"
     CORRUPTION = "corruption"
     AUDIT = "audit"
-    THRASHING = "thrashing"
+    THRASHING = "thrashing"  # the prefix cache: blocks evicted before reuse
+    ADAPTER_THRASHING = "adapter_thrashing"  # LoRA slots: adapters reloaded while others wait
     SATURATION = "saturation"
     MISCONFIGURATION = "misconfiguration"
     DOWN = "down"

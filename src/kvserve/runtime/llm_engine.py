@@ -78,6 +78,7 @@ class EngineStats:
     num_waiting_deferred: int = 0  # of the waiting, those waiting to hit blocks in flight
     running_loras: tuple[str, ...] = ()  # LoRA adapter names of running requests (sorted)
     waiting_loras: tuple[str, ...] = ()  # ... and of waiting ones
+    num_waiting_for_adapter: int = 0  # waiting requests the last step left for a LoRA slot
 
 
 class LLMEngine:
@@ -424,7 +425,7 @@ class LLMEngine:
         return EngineStats(counts.num_running, counts.num_waiting, counts.num_preemptions,
                            self.kv_cache.stats(), self.last_audit, self.step_tokens.snapshot(),
                            counts.num_waiting_deferred, counts.running_loras,
-                           counts.waiting_loras)
+                           counts.waiting_loras, counts.num_waiting_for_adapter)
 
     def _record_audit(self, report: AuditReport) -> None:
         self.last_audit = report

@@ -7,6 +7,9 @@ time it was last current, so readers (the Gateway API Inference Extension's `lor
 scorer) take the series with the largest value; kvserve keeps the last `KEPT_LABEL_SETS`.
 The `kvserve:lora_*` counters are labelled by adapter name, bounded by the registry's label
 cap (kvserve.runtime.lora_registry.MAX_LABELLED_ADAPTERS; past it: "other").
+`kvserve:lora_requests_waiting_for_slot` (no labels) counts the waiting requests the last step
+left for want of an adapter slot (`--max-loras`): with a high load rate, adapter thrashing
+(docs/operations.md), which a prefix-cache hit rate cannot show.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ class LoRACollector:
         for labels, seen_at in self._seen.items():
             info.add_metric(list(labels), seen_at)
         yield info
+        waiting = GaugeMetricFamily(
+            "kvserve:lora_requests_waiting_for_slot", "Waiting requests the last step left for "
+            "want of a LoRA adapter slot (--max-loras distinct adapters a step).")
+        waiting.add_metric([], stats.num_waiting_for_adapter)
+        yield waiting
         for name, doc, counts in (
                 ("kvserve:lora_adapter_loads", "LoRA adapters copied into a device slot.",
                  registry.loads),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kvserve.engine.lora import AdapterRef
 from kvserve.gateway.core.admission_core import Ticket
 from kvserve.gateway.core.lifecycle import Dispatch
 from kvserve.gateway.core.pipeline import RouteRequest
@@ -53,6 +54,7 @@ class ClientRequest:
     trace: TraceRequest
     arrival: float
     route: RouteRequest | None = None
+    adapter: AdapterRef | None = None  # its tenant's LoRA adapter (None: the base model)
     prompt: list[int] | None = None
     num_attempts: int = 0
     num_retries: int = 0  # timeouts that resent

@@ -16,6 +16,7 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 
 from kvserve.gateway.core.pipeline import parse_policy_options, split_policy_spec
 from kvserve.gateway.core.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
+from kvserve.sim.adapters import AdapterSpec
 from kvserve.sim.client import ClientConfig
 from kvserve.sim.fleet import SIMULATED_POLICIES, SimConfig
 from kvserve.sim.gateway import Backpressure
@@ -75,6 +76,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     f.add_argument("--max-model-len", type=int, default=None)
     f.add_argument("--scrape-interval", type=float, default=1.0,
                    help="seconds between the gateway's scrapes of worker metrics (staleness)")
+    f.add_argument("--adapters", type=int, default=0, metavar="N",
+                   help="LoRA adapters over the tenants (the k-th tenant runs adapter k mod "
+                        "N); 0: none. Reports adapter loads per request")
+    f.add_argument("--max-loras", type=int, default=2,
+                   help="with --adapters: adapters a worker runs in one batch (its slots)")
+    f.add_argument("--adapter-load-ms", type=float, default=50.0,
+                   help="with --adapters: time to load an adapter into a slot")
     f.add_argument("--route-block-tokens", type=int, default=64,
                    help="the gateway's prefix block (~ its 256-character text blocks)")
     c = p.add_argument_group("clients and backpressure")
@@ -131,6 +139,8 @@ def build_tasks(args: argparse.Namespace) -> list[SimTask]:
         max_num_batched_tokens=args.max_num_batched_tokens or profile.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs or profile.max_num_seqs,
         max_model_len=args.max_model_len)
+    adapters = (AdapterSpec(args.adapters, args.max_loras, args.adapter_load_ms / 1000.0)
+                if args.adapters > 0 else None)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     if args.clients:
         variants = [v.strip() for v in args.clients.split(",")]
@@ -157,7 +167,8 @@ def build_tasks(args: argparse.Namespace) -> list[SimTask]:
                 policy_options=parse_policy_options(option_specs),
                 client=client, backpressure=backpressure,
                 scrape_interval_s=args.scrape_interval,
-                route_block_tokens=args.route_block_tokens, slo_s=args.slo, seed=args.seed)
+                route_block_tokens=args.route_block_tokens, slo_s=args.slo, seed=args.seed,
+                adapters=adapters)
             config.make_policy()  # an unknown or out-of-range option fails before any run
             label = f"{spec} [{variant}]" if args.clients else spec
             tasks.append(SimTask(label, config))

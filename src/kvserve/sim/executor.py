@@ -4,7 +4,9 @@ The simulated worker runs kvserve.engine's own `EngineCore` and `Scheduler`; thi
 stands where the torch runner stands. Each step it samples `OUTPUT_TOKEN_ID` for every request
 whose chunk reaches the end of its tokens, and prices the step with the cost model
 (`CostProfile.step_s` of its `StepShape`), so scheduling rules exist once, in the engine, and
-the simulator only decides how much virtual time a step takes.
+the simulator only decides how much virtual time a step takes. With LoRA adapters, a step
+that runs one not in a device slot loads it first (`adapters.AdapterSlots`), `adapter_load_s`
+each, before the step's own time.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvserve.engine import SampledToken, ScheduledRequest, SchedulerOutput, TokenLogprob
+from kvserve.sim.adapters import AdapterSlots
 from kvserve.sim.costmodel import CostProfile, StepShape, attention_pairs
 
 OUTPUT_TOKEN_ID = -1
@@ -39,17 +42,27 @@ def step_shape(scheduled: Sequence[ScheduledRequest]) -> StepShape:
 
 
 class SimExecutor:
-    """Runs steps in zero wall time; `last_shape` and `last_step_s` describe the last one."""
+    """Runs steps in zero wall time; `last_shape`, `last_step_s` and `last_num_loads` (adapters
+    loaded before it) describe the last one."""
 
-    def __init__(self, cost: CostProfile) -> None:
+    def __init__(self, cost: CostProfile, slots: AdapterSlots | None = None,
+                 adapter_load_s: float = 0.0) -> None:
         self.cost = cost
+        self.slots = slots
+        self.adapter_load_s = adapter_load_s
         self.last_shape = StepShape()
         self.last_step_s = 0.0
+        self.last_num_loads = 0
 
     def execute(self, output: SchedulerOutput) -> dict[str, SampledToken]:
         shape = step_shape(output.scheduled)
         self.last_shape = shape
         self.last_step_s = self.cost.step_s(shape)
+        if self.slots is not None:
+            self.last_num_loads = self.slots.use(
+                item.request.lora.digest for item in output.scheduled
+                if item.request.lora is not None)
+            self.last_step_s += self.last_num_loads * self.adapter_load_s
         return {item.request.request_id: _SAMPLE for item in output.scheduled if item.sample}
 
     def release(self, request_ids: Iterable[str]) -> None:

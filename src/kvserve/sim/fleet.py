@@ -10,12 +10,13 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvserve.gateway.core.admission_core import AdmissionCore, Ticket, TicketState
 from kvserve.gateway.core.latency_limit import LatencyLimit
 from kvserve.gateway.core.pipeline import CapacityAware, RoutingPolicy, make_policy
+from kvserve.sim.adapters import AdapterSpec, TenantAdapters
 from kvserve.sim.client import Attempt, ClientConfig, ClientRequest, Outcome
 from kvserve.sim.costmodel import CostProfile
 from kvserve.sim.events import EventQueue, Priority
@@ -27,7 +28,8 @@ from kvserve.sim.worker import SimWorker, WorkerConfig
 from kvserve.sim.workload import RouteKeys, Workload
 from kvserve.workload import prompt_token_ids
 
-SIMULATED_POLICIES = ("round_robin", "least_load", "prefix_hash", "cache_aware")
+SIMULATED_POLICIES = ("round_robin", "least_load", "prefix_hash", "cache_aware",
+                      "lora_affinity")
 """Policies the simulator can drive (`precise` needs KV-event plumbing it does not model)."""
 
 Progress = Callable[[int, int, float], None]
@@ -53,6 +55,7 @@ class SimConfig:
     slo_s: float = 5.0
     seed: int = 0
     worker_ids: tuple[str, ...] | None = None
+    adapters: AdapterSpec | None = None  # tenants' LoRA adapters (`adapters.py`); None: none
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
@@ -66,6 +69,14 @@ class SimConfig:
                              f"{', '.join(SIMULATED_POLICIES)}")
         if self.scrape_interval_s <= 0:
             raise ValueError("scrape_interval_s must be positive")
+
+    def worker_config(self) -> WorkerConfig:
+        """The workers' config, with the adapter workload's slots and load time."""
+        spec = self.adapters
+        if spec is None:
+            return self.worker
+        return replace(self.worker, enable_lora=True, max_loras=spec.max_loras,
+                       adapter_load_s=spec.load_s)
 
     def make_policy(self) -> RoutingPolicy:
         options = dict(self.policy_options)
@@ -85,8 +96,11 @@ class FleetSimulator:
         self.events = EventQueue()
         self.keys = route_keys or RouteKeys(config.route_block_tokens)
         ids = list(config.worker_ids or (f"w{i:02d}" for i in range(config.num_workers)))
-        self.workers = {w: SimWorker(w, config.worker, config.profile, self.events, self)
+        worker = config.worker_config()
+        self.workers = {w: SimWorker(w, worker, config.profile, self.events, self)
                         for w in ids}
+        self.tenant_adapters = (TenantAdapters(config.adapters)
+                                if config.adapters is not None else None)
         policy = config.make_policy()
         if isinstance(policy, CapacityAware):  # as the gateway learns it from /metrics
             for worker_id in ids:
@@ -141,7 +155,10 @@ class FleetSimulator:
     def _arrive(self, client: ClientRequest) -> None:
         now = self.events.now
         client.prompt = prompt_token_ids(client.trace)
-        client.route = self.keys.route_request(client.trace, client.prompt)
+        tenants = self.tenant_adapters
+        client.adapter = (tenants.adapter_for(client.trace.tenant) if tenants is not None
+                          else None)
+        client.route = self.keys.route_request(client.trace, client.prompt, client.adapter)
         self._send(client, now)
         self._next_arrival()
 
@@ -151,7 +168,7 @@ class FleetSimulator:
         hits = queries = 0
         for worker_id, worker in self.workers.items():
             gateway.update(worker_id, Scraped(worker.num_running, worker.num_waiting,
-                                              worker.kv_usage))
+                                              worker.kv_usage, worker.adapters))
             counters = worker.kv.counters
             hits += counters.prefix_hits_tokens
             queries += counters.prefix_queries_tokens
@@ -223,7 +240,7 @@ class FleetSimulator:
         assert worker_id is not None
         trace = client.trace
         seq = SimSeq(f"{trace.request_id}#{attempt.number}", client.prompt,
-                     max(1, trace.output_length), trace.tenant)
+                     max(1, trace.output_length), trace.tenant, client.adapter)
         attempt.seq, attempt.worker_id = seq, worker_id
         attempt.dispatched_at = now
         self._attempt_of[seq.seq_id] = attempt

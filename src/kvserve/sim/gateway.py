@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from kvserve.gateway.core.adapters import AdapterState
 from kvserve.gateway.core.admission_core import AdmissionCore, AdmissionLimits, Ticket
 from kvserve.gateway.core.lifecycle import Dispatch, Ledger
 from kvserve.gateway.core.pipeline import RouteRequest, RoutingPolicy, WorkerView
@@ -52,6 +53,7 @@ class Scraped:
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
+    adapters: AdapterState | None = None  # its vllm:lora_requests_info
 
 
 class TicketHold:
@@ -100,10 +102,11 @@ class SimGateway(Ledger):
         self.scraped[worker_id] = scraped
 
     def views(self) -> list[WorkerView]:
-        """What a policy sees now: exact in-flight counts, scraped queue depth and KV usage."""
+        """What a policy sees now: exact in-flight counts, scraped queue depth, KV usage and
+        adapters."""
         return [
             WorkerView(w, True, self.in_flight[w], s.num_running, s.num_waiting, s.kv_usage,
-                       self.backlog_tokens[w])
+                       self.backlog_tokens[w], s.adapters)
             for w in self.worker_ids
             for s in (self.scraped[w],)
         ]

@@ -34,6 +34,7 @@ class WorkerSummary:
     evicted_blocks: int
     audit_ok: bool
     held_blocks_at_end: int
+    adapter_loads: int = 0  # LoRA adapters loaded into its slots
 
 
 @dataclass(slots=True)
@@ -76,6 +77,8 @@ class SimResult:
     wall_s: float
     num_events: int
     audit_ok: bool
+    adapter_loads: int = 0  # LoRA adapters loaded into a worker's slot, fleet-wide
+    adapter_loads_per_request: float = 0.0  # over the requests answered
     workers: list[WorkerSummary] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     timeline: list[TimelineSample] = field(default_factory=list)

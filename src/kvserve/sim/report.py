@@ -27,9 +27,12 @@ def _tokens(value: int) -> str:
 
 
 def results_table(results: Sequence[SimResult], title: str) -> Table:
-    """One row per run: cache, latency, throughput, load and the retry storm's footprint."""
+    """One row per run: cache, latency, throughput, load and the retry storm's footprint;
+    LoRA adapter loads per answered request when any run loaded adapters."""
     table = Table(title=title, title_justify="left")
-    for name in ("run", "hit rate", "TTFT p50/p99", "e2e p50/p99", "TTFT≤SLO", "answered",
+    adapters = any(r.adapter_loads for r in results)
+    for name in ("run", "hit rate", *(("loads/req",) if adapters else ()), "TTFT p50/p99",
+                 "e2e p50/p99", "TTFT≤SLO", "answered",
                  "req/s", "out tok/s", "util avg/max", "preempt", "retries/429", "sent",
                  "computed", "wasted", "audit"):
         table.add_column(name, justify="left" if name == "run" else "right", no_wrap=True)
@@ -37,6 +40,7 @@ def results_table(results: Sequence[SimResult], title: str) -> Table:
         table.add_row(
             escape(r.label),
             f"{r.hit_rate:.1%}",
+            *((f"{r.adapter_loads_per_request:.3f}",) if adapters else ()),
             f"{_s(r.ttft_p50)}/{_s(r.ttft_p99)}",
             f"{_s(r.e2e_p50)}/{_s(r.e2e_p99)}",
             f"{r.slo_attainment:.1%}",

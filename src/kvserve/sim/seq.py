@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvserve.engine.lora import AdapterRef
+
 
 @dataclass(slots=True, eq=False)
 class SimSeq:
@@ -21,6 +23,7 @@ class SimSeq:
     prompt: Sequence[int]
     max_tokens: int
     tenant: str | None
+    adapter: AdapterRef | None = None  # the LoRA adapter it runs under (None: the base model)
     num_cached: int = -1
     num_work_tokens: int = 0
     first_token_at: float | None = None

@@ -41,6 +41,7 @@ def summarise(sim: FleetSimulator, wall_s: float) -> SimResult:
             evicted_blocks=stats.counters.evicted_blocks,
             audit_ok=report.ok,
             held_blocks_at_end=stats.num_held_blocks,
+            adapter_loads=worker.num_adapter_loads,
         ))
     queries = sum(w.kv.counters.prefix_queries_tokens for w in sim.workers.values())
     hits = sum(w.kv.counters.prefix_hits_tokens for w in sim.workers.values())
@@ -85,6 +86,9 @@ def summarise(sim: FleetSimulator, wall_s: float) -> SimResult:
         wall_s=wall_s,
         num_events=sim.events.num_events,
         audit_ok=all(w.audit_ok and w.held_blocks_at_end == 0 for w in workers),
+        adapter_loads=sum(w.adapter_loads for w in workers),
+        adapter_loads_per_request=(sum(w.adapter_loads for w in workers) / len(ok)
+                                   if ok else 0.0),
         workers=workers,
         ttfts=ttfts,
         timeline=sim.timeline,

@@ -27,7 +27,9 @@ from kvserve.engine import (
     Scheduler,
     SchedulerConfig,
 )
+from kvserve.gateway.core.adapters import AdapterState
 from kvserve.kvcache import KVCacheManager
+from kvserve.sim.adapters import AdapterSlots
 from kvserve.sim.costmodel import CostProfile
 from kvserve.sim.events import EventQueue, Priority
 from kvserve.sim.executor import SimExecutor
@@ -45,10 +47,13 @@ class WorkerConfig:
     max_num_seqs: int = 256
     max_model_len: int | None = None
     fast_forward: bool = True
+    enable_lora: bool = False  # serves LoRA adapters (and says so in its metrics)
+    max_loras: int = 1  # distinct LoRA adapters a step runs, and device slots (vLLM's name)
+    adapter_load_s: float = 0.0  # loading an adapter into a slot (`adapters.AdapterSlots`)
 
     def __post_init__(self) -> None:
         if min(self.num_blocks, self.block_size, self.max_num_batched_tokens,
-               self.max_num_seqs, self.max_model_len or 1) < 1:
+               self.max_num_seqs, self.max_model_len or 1, self.max_loras) < 1:
             raise ValueError("worker sizes and limits must all be >= 1")
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -57,7 +62,8 @@ class WorkerConfig:
         return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
                                self.max_model_len or self.num_blocks * self.block_size,
                                idle_audit_interval_s=float("inf"),
-                               preemption_mode=PreemptionMode.RECOMPUTE)
+                               preemption_mode=PreemptionMode.RECOMPUTE,
+                               max_loras=self.max_loras)
 
 
 @dataclass(slots=True)
@@ -96,7 +102,8 @@ class SimWorker:
         self.listener = listener
         self.kv = KVCacheManager(config.num_blocks, config.block_size,
                                  clock=lambda: events.now)
-        self.executor = SimExecutor(cost)
+        self.slots = AdapterSlots(config.max_loras)
+        self.executor = SimExecutor(cost, self.slots, config.adapter_load_s)
         self._now = 0.0  # the engine's clock: the start, then the end, of the step it is at
         self.core = EngineCore(Scheduler(config.scheduler_config(), self.kv), self.executor,
                                clock=lambda: self._now)
@@ -116,7 +123,7 @@ class SimWorker:
         prompt = seq.prompt if isinstance(seq.prompt, list) else list(seq.prompt)
         request = Request(seq.seq_id, prompt, SamplingParams(max_tokens=seq.max_tokens,
                                                              detokenize=False),
-                          arrival_time=now, cache_salt=seq.tenant)
+                          arrival_time=now, cache_salt=seq.tenant, lora=seq.adapter)
         try:
             self.core.check_request(request)
         except ValueError:
@@ -152,6 +159,21 @@ class SimWorker:
         return self.core.counts().num_waiting + len(self._arrivals)
 
     @property
+    def adapters(self) -> AdapterState | None:
+        """Its LoRA adapters as `vllm:lora_requests_info` says them (None without
+        `enable_lora`, as a worker serving no adapters exports none)."""
+        if not self.config.enable_lora:
+            return None
+        counts = self.core.counts()
+        waiting = {*counts.waiting_loras, *(r.lora.name for r in self._arrivals if r.lora)}
+        return AdapterState(self.config.max_loras, frozenset(counts.running_loras),
+                            frozenset(waiting))
+
+    @property
+    def num_adapter_loads(self) -> int:
+        return self.slots.num_loads
+
+    @property
     def num_preemptions(self) -> int:
         return self.core.counts().num_preemptions
 
@@ -177,7 +199,8 @@ class SimWorker:
             return
         sampled = self.core.execute(planned)
         step = _Step(planned, sampled, now, now + self.executor.last_step_s)
-        if self.config.fast_forward and self._is_plain_decode(planned, running):
+        if (self.config.fast_forward and self.executor.last_num_loads == 0
+                and self._is_plain_decode(planned, running)):
             num_steps = self._decode_run_length(planned)
             if num_steps > 1:
                 step.num_steps = num_steps

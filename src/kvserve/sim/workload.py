@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from kvserve.engine.lora import AdapterRef
 from kvserve.gateway.core.pipeline import RouteRequest
 from kvserve.gateway.core.prefix import ROOT_HASH, engine_extra_keys
 from kvserve.kvcache.hashing import TOKEN_WIDTH, chain_hashes, encode_tokens
@@ -76,13 +77,17 @@ class RouteKeys:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self.block_tokens = block_tokens
         self.model_id = model_id
-        self._memo: dict[tuple[str | None, bytes, int], tuple[bytes, ...]] = {}
+        self._memo: dict[tuple[str | None, bytes | None, bytes, int], tuple[bytes, ...]] = {}
         self._memoise = TRACE_BLOCK_SIZE % block_tokens == 0
 
-    def route_request(self, request: TraceRequest, token_ids: Sequence[int]) -> RouteRequest:
-        """The request's route key; `token_ids` must be `prompt_token_ids(request)`."""
+    def route_request(self, request: TraceRequest, token_ids: Sequence[int],
+                      adapter: AdapterRef | None = None) -> RouteRequest:
+        """The request's route key under its LoRA `adapter` (its digest in the first block, as
+        the worker keys it; None: the base model); `token_ids` must be
+        `prompt_token_ids(request)`."""
         bs = self.block_tokens
         tenant = request.tenant
+        digest = adapter.digest if adapter is not None else None
         hashes: list[bytes] = []
         parent = ROOT_HASH
         done = 0  # tokens covered by `hashes`
@@ -91,21 +96,23 @@ class RouteKeys:
                 end = (idx + 1) * TRACE_BLOCK_SIZE
                 if end > len(token_ids):
                     break
-                key = (tenant, parent, content_id)
+                key = (tenant, digest, parent, content_id)
                 block = self._memo.get(key)
                 if block is None:
                     block = self._memo[key] = self._chain(parent, token_ids[done:end], tenant,
-                                                          first=done == 0)
+                                                          digest, first=done == 0)
                 hashes.extend(block)
                 parent, done = block[-1], end
         full = done + (len(token_ids) - done) // bs * bs
         if full > done:
-            hashes.extend(self._chain(parent, token_ids[done:full], tenant, first=done == 0))
-        return RouteRequest(tuple(hashes), tenant, len(token_ids), bs)
+            hashes.extend(self._chain(parent, token_ids[done:full], tenant, digest,
+                                      first=done == 0))
+        return RouteRequest(tuple(hashes), tenant, len(token_ids), bs,
+                            adapter.name if adapter is not None else None)
 
     def _chain(self, parent: bytes, token_ids: Sequence[int], tenant: str | None,
-               first: bool) -> tuple[bytes, ...]:
-        extra = engine_extra_keys(self.model_id, None, tenant) if first else None
+               digest: bytes | None, first: bool) -> tuple[bytes, ...]:
+        extra = engine_extra_keys(self.model_id, digest, tenant) if first else None
         hashes, _ = chain_hashes(parent, encode_tokens(token_ids),
                                  self.block_tokens * TOKEN_WIDTH, extra)
         return tuple(hashes)

@@ -10,6 +10,7 @@ import os
 import uvicorn
 from rich.console import Console
 
+from kvserve.gateway.core.adapters import parse_tenant_adapters
 from kvserve.gateway.core.pipeline import POLICY_NAMES, parse_policy_options
 from kvserve.gateway.core.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
 from kvserve.gateway.core.tenancy import Tenancy, generated_secret
@@ -75,6 +76,11 @@ def add_gateway_arguments(p: argparse.ArgumentParser) -> None:
                         "(clients' keys are never forwarded then; env KVSERVE_WORKER_API_KEY)")
     p.add_argument("--share-group", action="append", default=[], metavar="TENANT=GROUP",
                    help="tenants in one group share prefix blocks (repeatable)")
+    p.add_argument("--tenant-adapter", action="append", default=[], metavar="TENANT=ADAPTER",
+                   help="serve TENANT's requests with the LoRA adapter ADAPTER (its name as "
+                        "the workers list it; repeatable): the gateway sends it as the "
+                        "request's model and routes by where it is loaded. A request whose "
+                        "model names an adapter a worker lists runs under that one")
     p.add_argument("--salt-secret", default=os.environ.get("KVSERVE_SALT_SECRET"),
                    help="keys tenants' cache salts (env KVSERVE_SALT_SECRET; >= 16 characters). "
                         "Without it one gateway makes a random one (salts change on restart); "
@@ -183,6 +189,7 @@ def settings_from_args(args: argparse.Namespace, workers: list[str],
         latency_limit=args.latency_limit, ttft_target_s=args.ttft_target,
         seniority=args.seniority,
         tenancy=tenancy_from(args), worker_api_key=args.worker_api_key,
+        tenant_adapters=tuple(parse_tenant_adapters(args.tenant_adapter).items()),
         trusted_salt_key=args.trusted_salt_key, metrics_key=args.metrics_key,
         tokenizer=args.tokenizer, block_size=args.block_size,
         admin_key=getattr(args, "admin_key", None),

@@ -42,6 +42,7 @@ _TEXT_DOMAIN = b"kvserve.gateway.text.v1"
 _NONE_KEY = b"\xff\xff\xff\xff"
 _DIGEST_TAG = b"\xfe\xff\xff\xff"  # kvcache.hashing.ADAPTER_DIGEST_TAG: a length no string has
 _NO_EXTRA = (0).to_bytes(4, "little")
+_TEXT_ADAPTER_TAG = b"\xfd\xff\xff\xff"  # a length no string has: the adapter's own field
 
 
 def _frame(key: str | None) -> bytes:
@@ -76,15 +77,22 @@ def _dumps(obj: object) -> str:
 
 
 def text_block_hashes(
-    text: str, tenant: str | None = None, block_chars: int = DEFAULT_BLOCK_CHARS
+    text: str, tenant: str | None = None, block_chars: int = DEFAULT_BLOCK_CHARS,
+    adapter: str | None = None,
 ) -> tuple[bytes, ...]:
     """Chained hashes of the full `block_chars`-character blocks of `text`, salted by `tenant`
-    (the cache salt the gateway forwards; None: unsalted). Different tenants never share one."""
-    # Invariant: hash i depends on text[: (i + 1) * block_chars], the block size and the tenant.
+    (the cache salt the gateway forwards; None: unsalted) and keyed by the LoRA `adapter` the
+    request runs under (None: the base model, whose hashes are those from before adapters).
+    Different tenants, and different adapters, never share one."""
+    # Invariant: hash i depends on text[: (i + 1) * block_chars], the block size, the tenant
+    # and the adapter.
     if block_chars < 1:
         raise ValueError(f"block_chars must be >= 1, got {block_chars}")
     sha256 = hashlib.sha256
-    parent = sha256(_TEXT_DOMAIN + block_chars.to_bytes(8, "little") + _frame(tenant)).digest()
+    root = _TEXT_DOMAIN + block_chars.to_bytes(8, "little") + _frame(tenant)
+    if adapter is not None:
+        root += _TEXT_ADAPTER_TAG + _frame(adapter)
+    parent = sha256(root).digest()
     hashes: list[bytes] = []
     for start in range(0, len(text) - block_chars + 1, block_chars):
         # The parent is fixed-width, so parent | block bytes has one reading.
@@ -159,15 +167,18 @@ class RouteKey:
     tenant: str | None = None
     num_tokens: int = 0
     block_tokens: int = DEFAULT_BLOCK_TOKENS
+    adapter: str | None = None  # the LoRA adapter's name (None: the base model)
 
     @classmethod
     def from_text(
-        cls, text: str, tenant: str | None = None, *, block_chars: int = DEFAULT_BLOCK_CHARS
+        cls, text: str, tenant: str | None = None, *, block_chars: int = DEFAULT_BLOCK_CHARS,
+        adapter: str | None = None,
     ) -> Self:
-        """Key a completion prompt by its text (approximate: blocks of characters)."""
+        """Key a completion prompt by its text (approximate: blocks of characters), under
+        `adapter` (its name; None: the base model)."""
         return cls(
-            text_block_hashes(text, tenant, block_chars), tenant,
-            -(-len(text) // CHARS_PER_TOKEN), max(1, block_chars // CHARS_PER_TOKEN),
+            text_block_hashes(text, tenant, block_chars, adapter), tenant,
+            -(-len(text) // CHARS_PER_TOKEN), max(1, block_chars // CHARS_PER_TOKEN), adapter,
         )
 
     @classmethod
@@ -178,9 +189,11 @@ class RouteKey:
         *,
         tools: Sequence[Mapping[str, object]] | None = None,
         block_chars: int = DEFAULT_BLOCK_CHARS,
+        adapter: str | None = None,
     ) -> Self:
         """Key a chat request by its canonical text (`canonical_chat`), tools included."""
-        return cls.from_text(canonical_chat(messages, tools), tenant, block_chars=block_chars)
+        return cls.from_text(canonical_chat(messages, tools), tenant, block_chars=block_chars,
+                             adapter=adapter)
 
     @classmethod
     def from_token_ids(
@@ -191,8 +204,10 @@ class RouteKey:
         block_tokens: int = DEFAULT_BLOCK_TOKENS,
         model_id: str = "",
         adapter_digest: bytes | None = None,
+        adapter: str | None = None,
     ) -> Self:
         """Key a tokenized prompt exactly as a kvserve worker hashes it (`engine_block_hashes`,
-        the tenant as the cache salt): what the `precise` policy needs."""
+        the tenant as the cache salt, the adapter by `adapter_digest`): what the `precise`
+        policy needs. `adapter` is the adapter's name, for the scorers."""
         hashes = engine_block_hashes(token_ids, block_tokens, tenant, model_id, adapter_digest)
-        return cls(hashes, tenant, len(token_ids), block_tokens)
+        return cls(hashes, tenant, len(token_ids), block_tokens, adapter)

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvserve.gateway.core.adapters import AdapterCatalog
 from kvserve.gateway.core.pipeline import RouteRequest
 from kvserve.gateway.core.route_key import route_request_for
 from kvserve.gateway.core.tenancy import Identity, Tenancy
@@ -64,9 +65,12 @@ def parse_json(raw: bytes) -> Any:
 
 def prepare_request(path: str, raw: bytes, headers: Mapping[str, str], tenancy: Tenancy,
                     keyer: TokenKeyer | None = None, worker_api_key: str | None = None,
-                    trusted_salt_key: str | None = None) -> Prepared:
+                    trusted_salt_key: str | None = None,
+                    adapters: AdapterCatalog | None = None) -> Prepared:
     """Parse, authenticate, salt and key one request to `path` (a completions or chat route);
-    `headers` have lower-case names. Raises Refused saying what the client must fix."""
+    `headers` have lower-case names. With `adapters`, the request's LoRA adapter (its `model`
+    when a worker lists it, else its tenant's) keys it, and a tenant's adapter replaces the
+    body's `model`. Raises Refused saying what the client must fix."""
     try:
         body = parse_json(raw)
     except ValueError as exc:  # UnicodeDecodeError included
@@ -80,9 +84,14 @@ def prepare_request(path: str, raw: bytes, headers: Mapping[str, str], tenancy: 
     body.pop("cache_salt", None)  # never trust a client's salt
     if identity.salt is not None:
         body["cache_salt"] = identity.salt
+    model = body.get("model")
+    adapter = (adapters.resolve(model if isinstance(model, str) else None, identity.tenant)
+               if adapters is not None else None)
     try:
-        route = route_request_for(path, body, identity.salt, keyer)
+        route = route_request_for(path, body, identity.salt, keyer, adapter)
     except ValueError as exc:
         raise Refused(400, str(exc), "invalid_request_error") from None
+    if adapter is not None:
+        body["model"] = adapter.name  # the worker serves the tenant's adapter
     forwarded = tenancy.upstream_headers(headers, identity, worker_api_key, trusted_salt_key)
     return Prepared(identity, body, forwarded, route)

@@ -166,7 +166,7 @@ class Exchange:
         try:
             prepared = prepare_request(self.path, raw, self.headers, picker.tenancy,
                                        fleet.keys.keyer, picker.worker_api_key,
-                                       picker.trusted_salt_key)
+                                       picker.trusted_salt_key, fleet.adapters)
             self.timeout_s = client_timeout_s(self.headers)
         except Refused as exc:
             return [protocol.immediate(exc.status, exc.message, exc.err_type)]

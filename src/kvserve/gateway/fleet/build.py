@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 from tokenizers import Tokenizer
 
+from kvserve.gateway.core.adapters import AdapterCatalog
 from kvserve.gateway.core.latency_limit import LatencyLimit
 from kvserve.gateway.core.lifecycle import Dispatch, Hold
 from kvserve.gateway.core.pipeline import (
@@ -78,6 +79,7 @@ class Fleet:
     capacity: TextCapacity | None
     subscriber: ZmqEventFollower | None  # `precise`: the workers' KV events, over ZMQ
     discovery: WorkerDiscovery | None
+    adapters: AdapterCatalog  # which LoRA adapter a request runs under (core/adapters.py)
     on_scraped: list[Callable[[], None]] = field(default_factory=list)
     ledger: PoolLedger = field(init=False)
 
@@ -187,6 +189,7 @@ def build_fleet(settings: GatewaySettings,
     # A restarted worker caches nothing: the policy forgets what its index said it held.
     # An index that cannot see evictions holds no more than the worker's KV cache can.
     capacity = TextCapacity(policy) if isinstance(policy, CapacityAware) else None
+    adapters = AdapterCatalog(dict(settings.tenant_adapters))
     fleet_ref: list[Fleet] = []
     scraper = Scraper(pool, upstream_client, settings.scrape_interval_s,
                       on_restart=policy.remove_worker,
@@ -194,16 +197,18 @@ def build_fleet(settings: GatewaySettings,
                       on_scraped=lambda: fleet_ref[0].scraped(), foreign=foreign,
                       on_shared=(None if on_shared is None
                                  else lambda shared: on_shared(shared, policy, foreign)),
-                      metrics_key=settings.metrics_key)
+                      metrics_key=settings.metrics_key, on_adapters=adapters.set_listed)
     subscriber = None
     if policy.event_index is not None:
         subscriber = ZmqEventFollower(event_sources, policy.event_index,
                                       lambda url: served_model_id(client, url),
                                       block_size=settings.block_size,
-                                      default=settings.kv_events_default)
+                                      default=settings.kv_events_default,
+                                      adapters=adapters)
         metrics.registry.register(KvEventCollector(subscriber))
     # Whatever keeps state per worker follows the fleet as workers come and go.
-    pool.on_forgotten += [policy.remove_worker, metrics.forget_worker, scraper.forget]
+    pool.on_forgotten += [policy.remove_worker, metrics.forget_worker, scraper.forget,
+                          adapters.forget_worker]
     if capacity is not None:
         pool.on_forgotten.append(capacity.forget)
     if subscriber is not None:
@@ -212,6 +217,6 @@ def build_fleet(settings: GatewaySettings,
     if discovery is not None:
         metrics.registry.register(DiscoveryCollector(discovery))
     fleet = Fleet(settings, pool, policy, admission, budget, keys, foreign, metrics, client,
-                  upstream_client, scraper, capacity, subscriber, discovery)
+                  upstream_client, scraper, capacity, subscriber, discovery, adapters)
     fleet_ref.append(fleet)
     return fleet

@@ -12,9 +12,11 @@ as `cache_salt`, so the keys agree. A LoRA adapter is keyed by its digest in its
 (`kvevents.wire.parse_first_block_keys`): kvserve workers send the digest of the adapter's weights
 in `extra_keys`; a vLLM worker's adapter is keyed by its name. So a LoRA block never keys as a
 base-model block nor as another adapter's, and the keys of kvserve's blocks equal the workers'
-own hashes. A block is held per medium (GPU, CPU, disk...): moved to CPU
-it still counts as cached, and goes only when no medium holds it. A block whose parent this feed
-never saw (events lost) cannot be keyed and is skipped (`num_orphans`).
+own hashes. A kvserve event names the adapter beside its digest: the feed tells the gateway's
+`AdapterCatalog`, which keys that adapter's requests by the same digest. A block is held per
+medium (GPU, CPU, disk...): moved to CPU it still counts as cached, and goes only when no
+medium holds it. A block whose parent this feed never saw (events lost) cannot be keyed and
+is skipped (`num_orphans`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvserve.gateway.core.adapters import AdapterCatalog
 from kvserve.gateway.core.prefix import ROOT_HASH, engine_block_hash, engine_extra_keys
 from kvserve.kvevents.wire import (
     MEDIUM_GPU,
@@ -74,8 +77,9 @@ class WorkerIndexFeed:
     worker's. Not thread-safe: one event loop applies everything."""
 
     def __init__(self, sink: EventSink, worker_id: str, model_id: str,
-                 block_size: int | None = None) -> None:
+                 block_size: int | None = None, adapters: AdapterCatalog | None = None) -> None:
         self.sink, self.worker_id, self.model_id = sink, worker_id, model_id
+        self.adapters = adapters
         self.block_size = block_size  # the gateway's: prompts are keyed in blocks of it
         self._warned_block_size = False
         self._entries: dict[tuple[int, ExternalHash], _Entry] = {}
@@ -147,6 +151,9 @@ class WorkerIndexFeed:
             if parent == ROOT_HASH:
                 block_extra = event.extra_keys[idx] if event.extra_keys is not None else None
                 digest, salt = parse_first_block_keys(block_extra, event.lora_name)
+                if (digest is not None and event.lora_name is not None
+                        and self.adapters is not None):
+                    self.adapters.learn_digest(event.lora_name, digest)
                 extra = engine_extra_keys(self.model_id, digest, salt)
             key = engine_block_hash(parent, event.token_ids[idx * size:(idx + 1) * size], extra)
             entry = self._entries.get((rank, external))

@@ -7,17 +7,24 @@ usage with at most one interval of staleness.
 A worker's exposition runs to hundreds of lines (histograms, per-reason counters) of which the
 gateway needs nine series: `read_series` looks only at the lines that name one, instead of
 parsing every family, which costs the gateway's CPU on every scrape.
+
+A worker that serves LoRA adapters says where they run in `vllm:lora_requests_info` (kvserve's
+and vLLM's alike: the sample with the latest time is current, `read_adapter_state`); such a
+worker is also asked its `/v1/models` each round, since adapters load and unload at runtime,
+and the adapters it lists go to `on_adapters` (the request's `model` names one of them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from kvserve.gateway.core.adapters import AdapterState
 from kvserve.gateway.fleet.foreign_load import ForeignLoad
 from kvserve.gateway.fleet.periodic import Periodic
 from kvserve.gateway.fleet.upstream_http import UpstreamClient, UpstreamError
@@ -40,6 +47,8 @@ _SERIES = {
 }
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 """kvserve's and vLLM's KV configuration, in labels: capacity = num_gpu_blocks x block_size."""
+LORA_REQUESTS_INFO = "vllm:lora_requests_info"
+"""Where a worker's LoRA adapters run and wait, in labels; its value is when that was current."""
 _WANTED = (*_SERIES, CACHE_CONFIG_INFO)
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 SCRAPE_TIMEOUT_S = 2.0
@@ -98,6 +107,36 @@ def read_series(text: str) -> dict[str, float]:
     return totals
 
 
+def read_adapter_state(text: str) -> AdapterState | None:
+    """The worker's adapters from its latest `vllm:lora_requests_info` sample (the largest
+    value: the time its label set was last current; earlier sets stay exported). None when the
+    text has none (the worker serves no adapters)."""
+    if LORA_REQUESTS_INFO not in text:
+        return None
+    latest: tuple[float, str] | None = None
+    for line in text.splitlines():
+        if not line.startswith(LORA_REQUESTS_INFO):
+            continue
+        sample = _sample(line)
+        if sample is None or sample[0] != LORA_REQUESTS_INFO:
+            continue
+        if latest is None or sample[2] >= latest[0]:
+            latest = (sample[2], sample[1])
+    if latest is None:
+        return None
+    return AdapterState.from_labels(dict(_LABEL.findall(latest[1])))
+
+
+def listed_adapters(models: object) -> dict[str, str]:
+    """Adapter name -> base model from a `/v1/models` answer: the entries with a `parent`, as
+    vLLM and kvserve list adapters (anything else in the answer is ignored)."""
+    data = models.get("data") if isinstance(models, dict) else None
+    if not isinstance(data, list):
+        return {}
+    return {str(card["id"]): str(card["parent"]) for card in data
+            if isinstance(card, dict) and card.get("id") and card.get("parent")}
+
+
 def apply_metrics(worker: WorkerState, text: str) -> bool:
     """Update `worker` from a Prometheus text exposition (sums over label sets). Returns True
     when the worker restarted since the last scrape: its prefix-cache query counter went
@@ -121,6 +160,7 @@ def apply_metrics(worker: WorkerState, text: str) -> bool:
     worker.prefix_queries = queries
     worker.prefix_hits = totals.get("prefix_hits", worker.prefix_hits)
     worker.requests_finished = totals.get("requests_finished")
+    worker.adapters = read_adapter_state(text)
     return restarted
 
 
@@ -139,7 +179,8 @@ class Scraper(Periodic):
     and whenever it changes, goes to `on_capacity(url, tokens)`: how much a policy's index of it
     may hold. `on_scraped()` runs after each round (the fleet's capacity may have changed).
     Each scrape's requests that this gateway did not send go to `foreign` (`foreign_load.py`);
-    when its verdict changes, to `on_shared(shared)`."""
+    when its verdict changes, to `on_shared(shared)`. The adapters a LoRA-serving worker lists
+    go to `on_adapters(url, {name: base model})` (module doc)."""
 
     def __init__(self, pool: WorkerPool, client: UpstreamClient, interval_s: float = 1.0,
                  on_restart: Callable[[str], None] | None = None,
@@ -147,7 +188,8 @@ class Scraper(Periodic):
                  on_scraped: Callable[[], None] | None = None,
                  foreign: ForeignLoad | None = None,
                  on_shared: Callable[[bool], None] | None = None,
-                 metrics_key: str | None = None):
+                 metrics_key: str | None = None,
+                 on_adapters: Callable[[str, dict[str, str]], None] | None = None):
         # workers started with --metrics-key answer /metrics only with it
         self.metrics_headers = {"authorization": f"Bearer {metrics_key}"} if metrics_key else {}
         self.foreign = foreign if foreign is not None else ForeignLoad()
@@ -160,6 +202,7 @@ class Scraper(Periodic):
         self.on_restart = on_restart
         self.on_capacity = on_capacity
         self.on_scraped = on_scraped
+        self.on_adapters = on_adapters
 
     async def scrape_once(self) -> None:
         shared = self.foreign.shared
@@ -237,6 +280,24 @@ class Scraper(Periodic):
         if (worker.kv_capacity_tokens != capacity and worker.kv_capacity_tokens > 0
                 and self.on_capacity is not None):
             self.on_capacity(worker.url, worker.kv_capacity_tokens)
+        if worker.adapters is not None and self.on_adapters is not None:
+            await self._list_adapters(worker)
+
+    async def _list_adapters(self, worker: WorkerState) -> None:
+        """Tell `on_adapters` what the worker's /v1/models lists now; an answer that cannot be
+        read keeps what it listed before."""
+        assert self.on_adapters is not None
+        try:
+            status, body = await _get(self.client, f"{worker.url}/v1/models")
+        except (TimeoutError, UpstreamError):
+            return
+        if status != 200:
+            return
+        try:
+            models = json.loads(body)
+        except ValueError:
+            return
+        self.on_adapters(worker.url, listed_adapters(models))
 
     def _foreign_finished(self, worker: WorkerState, now: float, last: _Scrape,
                           abandoned_before: int) -> int:

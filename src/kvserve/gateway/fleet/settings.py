@@ -37,6 +37,7 @@ class GatewaySettings:
     worker_api_key: str | None = None  # sent to workers when the gateway checks keys itself
     trusted_salt_key: str | None = None  # sent with salted requests (X-KVServe-Salt-Key)
     metrics_key: str | None = None  # guards this /metrics; sent to the workers' /metrics
+    tenant_adapters: tuple[tuple[str, str], ...] = ()  # TENANT -> LoRA adapter (--tenant-adapter)
     tokenizer: str | None = None  # the workers' tokenizer, for exact keys (`precise`)
     block_size: int = 16  # the workers' KV block size, for exact keys
     admin_key: str | None = None  # sent to decode workers (KV transfers)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from kvserve.gateway.core.adapters import AdapterState
 from kvserve.gateway.core.pipeline import WorkerView
 
 
@@ -37,6 +38,7 @@ class WorkerState:
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
     requests_finished: float | None = None  # its finished-requests counter; None: not exported
+    adapters: AdapterState | None = None  # its LoRA adapters (vllm:lora_requests_info)
     consecutive_failures: int = 0
     ejected_until: float = 0.0
     backoff_s: float = 0.0
@@ -60,6 +62,7 @@ class WorkerState:
             num_waiting=self.num_waiting,
             kv_usage=self.kv_usage,
             prefill_backlog_tokens=self.prefill_backlog_tokens,
+            adapters=self.adapters,
         )
 
 

@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import zmq
 import zmq.asyncio
 
+from kvserve.gateway.core.adapters import AdapterCatalog
 from kvserve.gateway.fleet.event_index import EventSink, WorkerIndexFeed
 from kvserve.gateway.fleet.kv_event_metrics import ReplayOutcome, ResyncReason, WorkerEventStats
 from kvserve.gateway.fleet.kv_event_source import EventSource
@@ -68,8 +69,10 @@ class ZmqEventFollower:
                  model_id: Callable[[str], Awaitable[str | None]],
                  replay_timeout_s: float = DEFAULT_REPLAY_TIMEOUT_S,
                  retry_interval_s: float = 1.0, block_size: int | None = None,
-                 default: EventSource | None = None) -> None:
+                 default: EventSource | None = None,
+                 adapters: AdapterCatalog | None = None) -> None:
         self.sources, self.policy, self.model_id = sources, policy, model_id
+        self.adapters = adapters  # learns adapters' digests from kvserve workers' events
         self.default = default
         self.block_size = block_size
         self.replay_timeout_s, self.retry_interval_s = replay_timeout_s, retry_interval_s
@@ -177,7 +180,8 @@ class ZmqEventFollower:
         while url not in self.feeds:
             model = await self.model_id(url)
             if model is not None and url not in self.feeds:
-                self.feeds[url] = WorkerIndexFeed(self.policy, url, model, self.block_size)
+                self.feeds[url] = WorkerIndexFeed(self.policy, url, model, self.block_size,
+                                                  self.adapters)
             elif model is None:
                 if not warned:
                     warned = True

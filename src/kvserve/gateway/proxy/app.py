@@ -164,6 +164,6 @@ def create_gateway(settings: GatewaySettings) -> GatewayApp:
     proxy = ProxyEndpoint(forwarder, fleet.admission, metrics, settings.tenancy, keys, capacity,
                           settings.max_body_bytes, settings.ttft_target_s,
                           Seniority() if settings.seniority else None,
-                          settings.worker_api_key, settings.trusted_salt_key)
+                          settings.worker_api_key, settings.trusted_salt_key, fleet.adapters)
     return GatewayApp(proxy, app)
 

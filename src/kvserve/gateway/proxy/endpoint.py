@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvserve.client_timeout import BadTimeout, client_timeout_s, refusals_spend_retries
+from kvserve.gateway.core.adapters import AdapterCatalog
 from kvserve.gateway.core.lifecycle import Dispatch
 from kvserve.gateway.core.pipeline import NoHealthyWorker
 from kvserve.gateway.core.prepare import Prepared, Refused, prepare_request
@@ -141,6 +142,7 @@ class ProxyEndpoint:
     seniority: Seniority | None = field(default_factory=Seniority)  # None: queue by arrival
     worker_api_key: str | None = None  # replaces clients' keys when the gateway checks them
     trusted_salt_key: str | None = None  # proves to workers that a salt is the gateway's
+    adapters: AdapterCatalog | None = None  # which LoRA adapter a request runs under
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.monotonic()
@@ -279,7 +281,8 @@ class ProxyEndpoint:
         own answer."""
         try:
             prepared = prepare_request(path, raw, headers, self.tenancy, self.keys.keyer,
-                                       self.worker_api_key, self.trusted_salt_key)
+                                       self.worker_api_key, self.trusted_salt_key,
+                                       self.adapters)
         except Refused as exc:
             return _error(exc.status, exc.message, exc.err_type)
         budget.key, since = note_arrival(prepared, path, raw, budget.started, self.capacity,

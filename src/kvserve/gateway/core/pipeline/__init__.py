@@ -3,12 +3,17 @@
 One pipeline (`pipeline.py`): filters -> order -> weighted scorers -> picker. `make_policy(name,
 **options)` builds one of `POLICIES`, each a named configuration of it: round_robin, least_load
 (power of two choices), prefix_hash (rendezvous hashing with bounded load), cache_aware
-(approximate prefix index, continuous score) and precise (exact index from KV events);
+(approximate prefix index, continuous score), precise (exact index from KV events) and
+lora_affinity (where a request's LoRA adapter is loaded, and load: for comparison);
 `DisaggregatedRouter` puts a prefill and a decode pipeline behind role filters. The gateway
 proxy, the Endpoint Picker and the fleet simulator all drive them through
 `core.lifecycle.Dispatch`.
 """
 
+from kvserve.gateway.core.pipeline.adapter_affinity import (
+    DEFAULT_ADAPTER_WEIGHT,
+    AdapterAffinity,
+)
 from kvserve.gateway.core.pipeline.base import (
     Branch,
     CapacityAware,
@@ -32,6 +37,7 @@ from kvserve.gateway.core.pipeline.factory import (
 from kvserve.gateway.core.pipeline.filters import Healthy, Role
 from kvserve.gateway.core.pipeline.indexes import ApproxIndex, ExactIndex
 from kvserve.gateway.core.pipeline.least_load import LeastLoadPolicy
+from kvserve.gateway.core.pipeline.lora_affinity import LoRAAffinityPolicy
 from kvserve.gateway.core.pipeline.pickers import BestScore, BoundedLoad, Rotation, TwoChoices
 from kvserve.gateway.core.pipeline.pipeline import (
     Filter,
@@ -53,8 +59,10 @@ from kvserve.gateway.core.pipeline.round_robin import RoundRobinPolicy
 from kvserve.gateway.core.pipeline.scorers import Backlog, Footprint, Load, PrefixHits
 
 __all__ = [
+    "DEFAULT_ADAPTER_WEIGHT",
     "POLICIES",
     "POLICY_NAMES",
+    "AdapterAffinity",
     "ApproxIndex",
     "Backlog",
     "BestScore",
@@ -69,6 +77,7 @@ __all__ = [
     "Footprint",
     "Healthy",
     "LeastLoadPolicy",
+    "LoRAAffinityPolicy",
     "Load",
     "NoHealthyWorker",
     "Order",

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, Self, runtime_checkable
 
+from kvserve.gateway.core.adapters import AdapterState
 from kvserve.gateway.core.prefix import DEFAULT_BLOCK_TOKENS, RouteKey
 
 
@@ -36,7 +37,8 @@ class WorkerView:
     this gateway's requests that the worker has not answered yet (no first byte), less what the
     policy expected cached there: the prefill work ahead of a new request, in tokens, which a
     count of requests cannot tell apart (a cold 3k-token prefill and a 50-token cache hit are
-    one request each).
+    one request each). `adapters`: the worker's LoRA adapters as its last scraped
+    `vllm:lora_requests_info` says (None: it serves none, or has not said).
     """
 
     worker_id: str
@@ -46,6 +48,7 @@ class WorkerView:
     num_waiting: int = 0
     kv_usage: float = 0.0
     prefill_backlog_tokens: int = 0
+    adapters: AdapterState | None = None
 
     def __post_init__(self) -> None:
         if min(self.in_flight, self.num_running, self.num_waiting,
@@ -62,14 +65,16 @@ class WorkerView:
 
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
-    """What a policy routes on: chained prefix block hashes (tenant salted, see
-    kvserve.gateway.core.prefix), the tenant, a prompt-token estimate, and the tokens one block
-    stands for (exact keys: the workers' block size; text keys: an estimate)."""
+    """What a policy routes on: chained prefix block hashes (tenant salted and adapter keyed,
+    see kvserve.gateway.core.prefix), the tenant, a prompt-token estimate, the tokens one block
+    stands for (exact keys: the workers' block size; text keys: an estimate), and the LoRA
+    adapter's name (None: the base model)."""
 
     prefix_hashes: tuple[bytes, ...]
     tenant: str | None = None
     num_tokens: int = 0
     block_tokens: int = DEFAULT_BLOCK_TOKENS
+    adapter: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_tokens < 0 or self.block_tokens < 1:
@@ -79,7 +84,7 @@ class RouteRequest:
     @classmethod
     def from_key(cls, key: RouteKey) -> Self:
         """The request for a prefix key."""
-        return cls(key.prefix_hashes, key.tenant, key.num_tokens, key.block_tokens)
+        return cls(key.prefix_hashes, key.tenant, key.num_tokens, key.block_tokens, key.adapter)
 
     def uncached_tokens(self, matched_blocks: int) -> int:
         """Prompt tokens left to prefill on a worker that holds `matched_blocks` of the prefix."""

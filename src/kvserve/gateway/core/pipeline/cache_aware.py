@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from kvserve.gateway.core.pipeline.adapter_affinity import (
+    DEFAULT_ADAPTER_WEIGHT,
+    AdapterAffinity,
+    AdapterOrder,
+)
 from kvserve.gateway.core.pipeline.base import Branch
 from kvserve.gateway.core.pipeline.filters import Healthy
 from kvserve.gateway.core.pipeline.indexes import MAX_BLOCKS_PER_WORKER, ApproxIndex
@@ -39,7 +44,10 @@ class CacheAwarePolicy(Pipeline):
     index footprint, weighted -> the best score (`pickers.BestScore`), a prefix nobody holds
     going where `cold_placement` says. Two instances fed the same calls agree; replicas each
     learn their own traffic, and agree on where a new prefix goes unless
-    `cold_placement="footprint"` (`replica_safe`)."""
+    `cold_placement="footprint"` (`replica_safe`). A request under a LoRA adapter also scores
+    where its adapter is loaded (`adapter_affinity.AdapterAffinity`, `adapter_weight`; 0: not
+    at all), and a prefix nobody holds goes first where its adapter runs
+    (`adapter_affinity.AdapterOrder`)."""
 
     name = "cache_aware"
 
@@ -51,6 +59,7 @@ class CacheAwarePolicy(Pipeline):
         footprint_weight: float = DEFAULT_FOOTPRINT_WEIGHT,
         backlog_weight: float = DEFAULT_BACKLOG_WEIGHT,
         cold_placement: str = "rendezvous",
+        adapter_weight: float = DEFAULT_ADAPTER_WEIGHT,
     ) -> None:
         """docs/operations.md ("Routing and admission options") says what each option does
         and its measured effect."""
@@ -60,6 +69,8 @@ class CacheAwarePolicy(Pipeline):
         check_weights(block_credit, load_weight, footprint_weight, backlog_weight)
         self.cold_placement = cold_placement
         self.backlog_weight = backlog_weight
+        self.adapter_weight = adapter_weight
+        adapters = AdapterAffinity(adapter_weight)
         self.footprint_weight = footprint_weight
         self.block_credit = block_credit
         self.load_weight = load_weight
@@ -67,10 +78,11 @@ class CacheAwarePolicy(Pipeline):
         by_rendezvous = cold_placement == "rendezvous"
         super().__init__(
             filters=[Healthy()],
-            order=RendezvousOrder(DEFAULT_PREFIX_BLOCKS),
+            order=(AdapterOrder(RendezvousOrder(DEFAULT_PREFIX_BLOCKS)) if adapter_weight > 0
+                   else RendezvousOrder(DEFAULT_PREFIX_BLOCKS)),
             index=index,
             scorers=[PrefixHits(block_credit), Load(load_weight),
-                     Backlog(backlog_weight, block_credit),
+                     Backlog(backlog_weight, block_credit), adapters,
                      *([] if by_rendezvous else [Footprint(footprint_weight, index)])],
             picker=BestScore(Branch.AFFINITY, cold=BoundedLoad(DEFAULT_LOAD_FACTOR, room=index)
                              if by_rendezvous else None),

@@ -10,6 +10,7 @@ from typing import Any
 
 from kvserve.gateway.core.pipeline.cache_aware import CacheAwarePolicy
 from kvserve.gateway.core.pipeline.least_load import LeastLoadPolicy
+from kvserve.gateway.core.pipeline.lora_affinity import LoRAAffinityPolicy
 from kvserve.gateway.core.pipeline.pipeline import Pipeline
 from kvserve.gateway.core.pipeline.precise import PrecisePolicy
 from kvserve.gateway.core.pipeline.prefix_hash import PrefixHashPolicy
@@ -22,6 +23,7 @@ POLICIES: Mapping[str, Callable[..., Pipeline]] = MappingProxyType(
         PrefixHashPolicy.name: PrefixHashPolicy,
         CacheAwarePolicy.name: CacheAwarePolicy,
         PrecisePolicy.name: PrecisePolicy,
+        LoRAAffinityPolicy.name: LoRAAffinityPolicy,
     }
 )
 """Every policy by name (read-only)."""

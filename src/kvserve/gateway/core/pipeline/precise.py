@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from kvserve.gateway.core.pipeline.adapter_affinity import (
+    DEFAULT_ADAPTER_WEIGHT,
+    AdapterAffinity,
+    AdapterOrder,
+)
 from kvserve.gateway.core.pipeline.base import Branch
 from kvserve.gateway.core.pipeline.filters import Healthy
 from kvserve.gateway.core.pipeline.indexes import (
@@ -30,7 +35,8 @@ class PrecisePolicy(Pipeline):
     """Knows exactly which block hashes each worker caches, from the worker's KV events
     (`apply_events`: BlockStored / BlockRemoved / AllBlocksCleared; `indexes.ExactIndex`), and
     routes through the pipeline `cache_aware` uses: healthy -> rendezvous order -> prefix hits,
-    load and backlog, weighted -> the best score.
+    load, backlog and adapter affinity (a LoRA request, `adapter_weight`), weighted -> the best
+    score.
 
     Requires the gateway to hash prompts exactly as the worker does: token ids from the worker's
     tokenizer and chat template, the worker's block size, model id and the tenant's cache salt
@@ -60,12 +66,15 @@ class PrecisePolicy(Pipeline):
         load_weight: float = DEFAULT_LOAD_WEIGHT,
         max_pending_blocks_per_worker: int = DEFAULT_MAX_PENDING_BLOCKS_PER_WORKER,
         backlog_weight: float = DEFAULT_BACKLOG_WEIGHT,
+        adapter_weight: float = DEFAULT_ADAPTER_WEIGHT,
     ) -> None:
         check_weights(block_credit, load_weight, backlog_weight=backlog_weight)
         if max_pending_blocks_per_worker < 0:
             raise ValueError("max_pending_blocks_per_worker must be >= 0 (0: no pending "
                              f"blocks), got {max_pending_blocks_per_worker}")
         self.backlog_weight = backlog_weight
+        self.adapter_weight = adapter_weight
+        adapters = AdapterAffinity(adapter_weight)
         self.block_credit = block_credit
         self.load_weight = load_weight
         self.max_pending_blocks_per_worker = max_pending_blocks_per_worker
@@ -73,10 +82,11 @@ class PrecisePolicy(Pipeline):
                                         max_pending_blocks_per_worker)
         super().__init__(
             filters=[Healthy()],
-            order=RendezvousOrder(DEFAULT_PREFIX_BLOCKS),
+            order=(AdapterOrder(RendezvousOrder(DEFAULT_PREFIX_BLOCKS)) if adapter_weight > 0
+                   else RendezvousOrder(DEFAULT_PREFIX_BLOCKS)),
             index=index,
             scorers=[PrefixHits(block_credit), Load(load_weight),
-                     Backlog(backlog_weight, block_credit)],
+                     Backlog(backlog_weight, block_credit), adapters],
             picker=BestScore(Branch.PRECISE_HIT, cold=BoundedLoad(DEFAULT_LOAD_FACTOR)),
         )
 
