@@ -16,6 +16,7 @@ from benchmarks import (
     disagg_cli,
     gateway_cli,
     grammar_cli,
+    knobs_cli,
     lora_cli,
     precision_cli,
     preemption_cli,
@@ -50,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     real_structured_cli.add_parser(commands)
     real_chats_cli.add_parser(commands)
     precision_cli.add_parser(commands)
+    knobs_cli.add_parser(commands)
     return parser
 
 

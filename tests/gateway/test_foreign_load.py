@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from kvserve.gateway.fleet.foreign_load import ForeignLoad
+from kvserve.gateway.fleet.foreign_load import DEFAULT_MIN_FOREIGN, DEFAULT_WINDOW_S, ForeignLoad
 from kvserve.gateway.fleet.scraper import Scraper
 from kvserve.gateway.fleet.upstream_http import UpstreamClient
 from kvserve.gateway.fleet.worker_pool import WorkerPool
@@ -64,6 +64,26 @@ def test_finished_requests_of_the_gateways_own_are_never_foreign() -> None:
     for t in range(100):  # what was in flight at the last scrape, or sent since, finishing
         assert load.record_finished(float(t), finished=t % 5, own_at_most=4) == 0
     assert load.share == 0.0 and not load.shared
+
+
+def test_a_restart_under_load_is_a_verdict_for_at_most_one_window() -> None:
+    # A gateway restarted while its previous process had requests on the workers sees them as
+    # foreign until they end. Fewer than DEFAULT_MIN_FOREIGN never turn the verdict on; more
+    # do, and the window (the defaults) ends it once it holds only this gateway's requests.
+    few = ForeignLoad()
+    few.record(0.0, reported=DEFAULT_MIN_FOREIGN - 1, own_at_most=0)
+    for t in range(1, 200):
+        few.record(float(t), reported=4, own_at_most=4)
+        assert not few.shared
+    many = ForeignLoad()
+    many.record(0.0, reported=40, own_at_most=0)
+    many.record(1.0, reported=20, own_at_most=0)  # the leftovers ending
+    assert many.shared
+    t = 2
+    while many.shared:
+        many.record(float(t), reported=4, own_at_most=4)
+        t += 1
+    assert t - 1 <= 1 + DEFAULT_WINDOW_S + 1  # 60 leftovers outweigh a minute of own traffic
 
 
 def test_bad_settings_are_refused() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from kvserve.gateway.core.admission_core import AdmissionCore, Ticket, TicketState
 from kvserve.gateway.core.latency_limit import LatencyLimit
 from kvserve.gateway.core.pipeline import CapacityAware, RoutingPolicy, make_policy
+from kvserve.gateway.core.seniority import Seniority
 from kvserve.sim.adapters import AdapterSpec, TenantAdapters
 from kvserve.sim.client import Attempt, ClientConfig, ClientRequest, Outcome
 from kvserve.sim.costmodel import CostProfile
@@ -115,6 +116,8 @@ class FleetSimulator:
                                         latency_applies=lambda: not bp.declared_batch,
                                         clock=lambda: self.events.now)
                           if bp is not None else None)
+        self.seniority = (Seniority(bp.seniority_ttl_s)
+                          if bp is not None and bp.seniority else None)
         self.clients: list[ClientRequest] = []
         self.timeline: list[TimelineSample] = []
         self._attempt_of: dict[str, Attempt] = {}
@@ -191,10 +194,9 @@ class FleetSimulator:
         if admission is None:
             self._dispatch(attempt, now)
             return
-        bp = self.config.backpressure
-        assert bp is not None
-        ticket = admission.arrive(None if timeout is None else now + timeout,
-                                  client.arrival if bp.seniority else now)
+        since = (now if self.seniority is None
+                 else self.seniority.since(client.trace.request_id.encode(), now))
+        ticket = admission.arrive(None if timeout is None else now + timeout, since)
         attempt.ticket = ticket
         if ticket.state is TicketState.ADMITTED:
             self._dispatch(attempt, now)
@@ -300,6 +302,8 @@ class FleetSimulator:
             # What the client sees also includes the API path (the profile's request overhead).
             at = now + self._overhead_s(attempt.request)
             attempt.request.first_token_at = at
+            if self.seniority is not None:
+                self.seniority.served(attempt.request.trace.request_id.encode())
             attempt.dispatch.first_byte(at)  # judged as the gateway judges, for admission
             if isinstance(attempt.dispatch.hold, TicketHold):
                 self._start(attempt.dispatch.hold.take_admitted(), at)

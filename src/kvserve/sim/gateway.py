@@ -10,7 +10,8 @@ Admission is the gateway's own state machine (`gateway.admission_core`), driven 
 simulated clock: the same limits, queue order, waits and refusals, the same AIMD latency limit
 with `latency_limit` (the gateway's default; it applies as the gateway applies it: only where
 the workers do not declare their batch, `declared_batch=False`, as vLLM and SGLang do not), and
-with `seniority` (also the gateway's default) a resend queued by when its request was first sent.
+with `seniority` (also the gateway's default) a resend queued by when its request was first sent
+(`core.seniority.Seniority`, keyed by the request's id where the gateway digests its bytes).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvserve.gateway.core.admission_core import AdmissionCore, AdmissionLimits, 
 from kvserve.gateway.core.lifecycle import Dispatch, Ledger
 from kvserve.gateway.core.pipeline import RouteRequest, RoutingPolicy, WorkerView
 from kvserve.gateway.core.queue_wait import DEFAULT_MAX_QUEUE_WAIT_S
+from kvserve.gateway.core.seniority import DEFAULT_TTL_S
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +38,7 @@ class Backpressure:
     latency_limit: bool = True
     seniority: bool = True
     max_queue_wait_s: float = DEFAULT_MAX_QUEUE_WAIT_S
+    seniority_ttl_s: float = DEFAULT_TTL_S  # the gateway's constant; a sweep varies it
     declared_batch: bool = True  # the workers say their batch, as kvserve's do
 
     def __post_init__(self) -> None:
