@@ -28,6 +28,7 @@ from rich.table import Table
 from kvserve.bench.gateway_fleet import BENCH_SALT_SECRET
 from kvserve.bench.gateway_report import CaseRun
 from kvserve.bench.gateway_workload import GatewayRequest
+from kvserve.engine.lora import AdapterRef
 from kvserve.gateway.core.pipeline import RouteRequest
 from kvserve.gateway.core.route_key import route_request_for
 from kvserve.gateway.core.tenancy import Tenancy
@@ -73,7 +74,10 @@ class GatewayRouteKeys(RouteKeys):
                 tenancy.resolve({tenancy.header: r.tenant}).salt)
             for r in requests}
 
-    def route_request(self, request: TraceRequest, token_ids: Sequence[int]) -> RouteRequest:
+    def route_request(self, request: TraceRequest, token_ids: Sequence[int],
+                      adapter: AdapterRef | None = None) -> RouteRequest:
+        if adapter is not None:
+            raise ValueError("the gateway bench sends no LoRA requests; its keys have no adapter")
         return self._keys[request.request_id]
 
 

@@ -12,7 +12,7 @@ from kvserve.gateway.core.pipeline.filters import Healthy
 from kvserve.gateway.core.pipeline.indexes import MAX_BLOCKS_PER_WORKER, ApproxIndex
 from kvserve.gateway.core.pipeline.pickers import BestScore, BoundedLoad
 from kvserve.gateway.core.pipeline.pipeline import Pipeline
-from kvserve.gateway.core.pipeline.prefix_hash import DEFAULT_LOAD_FACTOR
+from kvserve.gateway.core.pipeline.prefix_hash import COLD_LOAD_FACTOR
 from kvserve.gateway.core.pipeline.rendezvous import DEFAULT_PREFIX_BLOCKS, RendezvousOrder
 from kvserve.gateway.core.pipeline.scorers import (
     DEFAULT_BACKLOG_WEIGHT,
@@ -84,7 +84,7 @@ class CacheAwarePolicy(Pipeline):
             scorers=[PrefixHits(block_credit), Load(load_weight),
                      Backlog(backlog_weight, block_credit), adapters,
                      *([] if by_rendezvous else [Footprint(footprint_weight, index)])],
-            picker=BestScore(Branch.AFFINITY, cold=BoundedLoad(DEFAULT_LOAD_FACTOR, room=index)
+            picker=BestScore(Branch.AFFINITY, cold=BoundedLoad(COLD_LOAD_FACTOR, room=index)
                              if by_rendezvous else None),
         )
 

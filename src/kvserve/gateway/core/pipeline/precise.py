@@ -18,7 +18,7 @@ from kvserve.gateway.core.pipeline.indexes import (
 )
 from kvserve.gateway.core.pipeline.pickers import BestScore, BoundedLoad
 from kvserve.gateway.core.pipeline.pipeline import Pipeline
-from kvserve.gateway.core.pipeline.prefix_hash import DEFAULT_LOAD_FACTOR
+from kvserve.gateway.core.pipeline.prefix_hash import COLD_LOAD_FACTOR
 from kvserve.gateway.core.pipeline.rendezvous import DEFAULT_PREFIX_BLOCKS, RendezvousOrder
 from kvserve.gateway.core.pipeline.scorers import (
     DEFAULT_BACKLOG_WEIGHT,
@@ -87,7 +87,7 @@ class PrecisePolicy(Pipeline):
             index=index,
             scorers=[PrefixHits(block_credit), Load(load_weight),
                      Backlog(backlog_weight, block_credit), adapters],
-            picker=BestScore(Branch.PRECISE_HIT, cold=BoundedLoad(DEFAULT_LOAD_FACTOR)),
+            picker=BestScore(Branch.PRECISE_HIT, cold=BoundedLoad(COLD_LOAD_FACTOR)),
         )
 
     def set_synced(self, worker_id: str, synced: bool) -> None:

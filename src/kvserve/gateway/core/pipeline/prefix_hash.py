@@ -8,9 +8,13 @@ from kvserve.gateway.core.pipeline.pickers import BoundedLoad, load_bound
 from kvserve.gateway.core.pipeline.pipeline import Pipeline
 from kvserve.gateway.core.pipeline.rendezvous import DEFAULT_PREFIX_BLOCKS, RendezvousOrder
 
-__all__ = ["DEFAULT_LOAD_FACTOR", "PrefixHashPolicy", "load_bound"]
+__all__ = ["COLD_LOAD_FACTOR", "DEFAULT_LOAD_FACTOR", "PrefixHashPolicy", "load_bound"]
 
-DEFAULT_LOAD_FACTOR = 1.25
+# prefix_hash's bound: 2.0 won or tied 1.25 and 1.5 on every simulated mix (docs/operations.md).
+DEFAULT_LOAD_FACTOR = 2.0
+# The bound cache_aware and precise place a prefix no index holds under; it was prefix_hash's
+# 1.25 when their benchmarks were taken and has not been measured on its own since.
+COLD_LOAD_FACTOR = 1.25
 
 
 class PrefixHashPolicy(Pipeline):
