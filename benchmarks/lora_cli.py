@@ -127,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
                 spec = driver_spec(model, workload, group, threads, KV_CACHE_BYTES)
                 results, info = run_vllm(python, driver, spec, args.vllm_timeout)
                 vllm.extend(r | {"info": info} for r in results)
+    for tail in dict.fromkeys(r["log_tail"] for r in vllm if "log_tail" in r):
+        print(f"lora: vLLM failed; the end of its log:\n{tail}", file=sys.stderr)
     rows = throughput_rows(kvserve, vllm, threads)
     if args.kernels:
         rows.extend(kernel_rows(model, args.adapters, args.rank))

@@ -81,8 +81,8 @@ def driver_spec(model: Path, workload: Workload, cases: list[Case], num_threads:
 
 def run_vllm(python: Path, driver: Path, spec: dict[str, Any],
              timeout: float) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Run the driver on `spec`: one result per case ({"case", "error"} when that case or the
-    whole run failed, the error naming the cause and the tail of vLLM's log) and the run's
+    """Run the driver on `spec`: one result per case ({"case", "error", "log_tail"} when that
+    case or the whole run failed: the error and the end of vLLM's log) and the run's
     info (vLLM's version, load seconds, dtype, thread binding)."""
     from kvserve.bench.engine_cli import run_driver
 
@@ -107,7 +107,8 @@ def run_vllm(python: Path, driver: Path, spec: dict[str, Any],
         return [{"case": n, "error": error, "log_tail": tail[-1500:]} for n in names], {}
     info = {"vllm_version": payload["vllm_version"],
             "load_seconds": round(payload["load_seconds"], 1), **payload["info"]}
-    return payload["results"], info
+    results = [r | {"log_tail": tail[-1500:]} if "error" in r else r for r in payload["results"]]
+    return results, info
 
 
 def agreement(kvserve_tokens: list[list[int]], vllm_tokens: list[list[int]]) -> dict[str, str]:
