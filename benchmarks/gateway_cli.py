@@ -189,6 +189,13 @@ def run(args: argparse.Namespace) -> int:
                         extra_args=tuple(args.worker_arg) + (
                             ("--enable-prompt-tokens-details",)
                             if args.worker_server == VLLM else ()))
+    if args.worker_server == VLLM and capacity < launch.max_model_len:
+        err.print(f"KV cache {capacity} tokens per worker (working set {working_set} / "
+                  f"--working-set {args.working_set:g}): vLLM refuses to start below "
+                  f"max_model_len ({launch.max_model_len}); lower --working-set or give more "
+                  "--tenants, --requests or --prefix-tokens", style="red", markup=False,
+                  soft_wrap=True)
+        return 2
     err.print(f"working set {working_set} tokens; KV cache {capacity} tokens per worker "
               f"({args.working_set:g}x); {args.workers} {args.worker_server} workers",
               highlight=False)

@@ -21,15 +21,16 @@ Adapter loads, per worker, over a run (a `LoadReader` each, summed by gateway_co
   event kvserve counts. The workers run with a logging config (`vllm_worker_env`) that turns
   that one logger to DEBUG, and the line is counted in the worker's log file as it grows.
   Limits: vLLM also activates an adapter each time one is registered (at startup, for
-  `--lora-modules`, and at the in-place reload that resets the slots between routers): those
-  lines come before a run's baseline and are not counted, but a worker restarted during a run
+  `--lora-modules`, and at the reload that resets the slots between routers): those lines come
+  before a run's baseline and are not counted, but a worker restarted during a run
   (the `failover` case) adds its startup's N activations; and a line is counted only once the
   engine process has written it (the run's last poll comes 1.5 s after the last answer).
 
 Cold slots between routers: kvserve workers are restarted (their slots start empty); vLLM workers
-keep running, so `reset_vllm_adapters` reloads every adapter in place in name order (vLLM has no
-call that empties a slot, and a load activates the adapter), which leaves the last K adapters in
-the slots on every worker before every router: the same start for each.
+keep running, so `reset_vllm_adapters` unloads and loads every adapter again in name order (vLLM
+has no call that empties a slot, and a load activates the adapter), which leaves the last K
+adapters in the slots on every worker before every router: the same start for each. Not in
+place (`load_inplace`): vLLM 0.32 then reads such an adapter from disk again at every step.
 """
 
 from __future__ import annotations
@@ -157,8 +158,8 @@ class LogLineCount:
 def vllm_worker_env(log_dir: Path) -> tuple[tuple[str, str], ...]:
     """The environment of a vLLM worker serving adapters: a logging config (written into
     `log_dir`) that keeps vLLM's INFO output and turns the LoRA model manager's logger to DEBUG
-    (its activations are the count, module doc), and the runtime load route that
-    `reset_vllm_adapters` calls."""
+    (its activations are the count, module doc; it also logs a line per adapted module), and
+    the runtime load and unload routes that `reset_vllm_adapters` calls."""
     config = {
         "version": 1, "disable_existing_loggers": False,
         "formatters": {"plain": {"format": "%(levelname)s %(asctime)s [%(filename)s:"
@@ -174,16 +175,19 @@ def vllm_worker_env(log_dir: Path) -> tuple[tuple[str, str], ...]:
 
 
 def reset_vllm_adapters(url: str, adapters: FleetAdapters, base_model: str) -> None:
-    """Make a running vLLM worker's slots the same before every router (module doc): reload
-    each adapter in place, in name order; then send one base-model token, so the worker
-    exports `vllm:lora_requests_info` (it does after its first step) and a gateway started
-    next learns its adapters before the load begins. Call before resetting its prefix cache.
+    """Make a running vLLM worker's slots the same before every router (module doc): unload and
+    load each adapter again, in name order (each load a new adapter id, evicting the least
+    recently used from host memory and from the slots); then send one base-model token, so the
+    worker exports `vllm:lora_requests_info` (it does after its first step) and a gateway
+    started next learns its adapters before the load begins. Call before resetting its prefix
+    cache.
     httpx.HTTPStatusError when the worker refuses."""
     with httpx.Client(timeout=60.0) as client:
         for name, path in zip(adapters.names, adapters.paths, strict=True):
-            client.post(f"{url}/v1/load_lora_adapter", json={
-                "lora_name": name, "lora_path": str(path), "load_inplace": True,
-            }).raise_for_status()
+            client.post(f"{url}/v1/unload_lora_adapter",
+                        json={"lora_name": name}).raise_for_status()
+            client.post(f"{url}/v1/load_lora_adapter",
+                        json={"lora_name": name, "lora_path": str(path)}).raise_for_status()
         client.post(f"{url}/v1/completions", json={
             "model": base_model, "prompt": "warm", "max_tokens": 1,
         }).raise_for_status()
