@@ -42,14 +42,16 @@ from pathlib import Path
 
 import httpx
 
+from kvserve.bench.server_launch import KVSERVE, VLLM
+
 ADAPTER_PREFIX = "adapter-"
 TENANT_PREFIX = "tenant-"
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted --max-lora-rank
 KVSERVE_LOADS = "kvserve:lora_adapter_loads_total"
 VLLM_ACTIVATION_LINE = "Activating LoRA. int id:"
 LOAD_COUNT_NOTES = {
-    "kvserve": f"adapter loads: the increase of {KVSERVE_LOADS} (copies into a device slot)",
-    "vllm": "adapter loads: vLLM 0.32 exports no load counter; counted are its "
+    KVSERVE: f"adapter loads: the increase of {KVSERVE_LOADS} (copies into a device slot)",
+    VLLM: "adapter loads: vLLM 0.32 exports no load counter; counted are its "
             f"'{VLLM_ACTIVATION_LINE}' debug lines (an adapter copied into a slot) in each "
             "worker's log during the run; a worker restarted mid-run adds its startup's "
             "activations",
