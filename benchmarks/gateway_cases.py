@@ -19,6 +19,7 @@ from typing import Any
 from rich.console import Console
 
 from benchmarks.gateway_overhead import OverheadRun, measure_overhead
+from kvserve.bench.gateway_counters import CounterPoller
 from kvserve.bench.gateway_envoy import ENVOY_EPP
 from kvserve.bench.gateway_fleet import (
     IDEAL,
@@ -30,7 +31,6 @@ from kvserve.bench.gateway_fleet import (
 )
 from kvserve.bench.gateway_load import (
     ClientPolicy,
-    CounterPoller,
     Target,
     TimedAction,
     run_open_loop,
@@ -110,8 +110,14 @@ class Bench:
             if proc is not None:
                 proc.stop()
 
+    def requests_for(self, case: Case, seed: int) -> list[GatewayRequest]:
+        """The case's requests, each naming its tenant's adapter when the fleet serves some."""
+        adapters = self.fleet.adapters
+        return gateway_requests(self.trace_for(case, seed), self.texts,
+                                adapters.adapter_for if adapters is not None else None)
+
     def run(self, case: Case, router: RouterSpec, seed: int) -> CaseRun:
-        requests = gateway_requests(self.trace_for(case, seed), self.texts)
+        requests = self.requests_for(case, seed)
         urls = self.fleet.urls
         replicas = [] if router.kind == IDEAL else [
             make_router(router, urls, self.log_dir, self.router_args(router))
@@ -125,7 +131,7 @@ class Bench:
             target = self._target(router, requests, [r.url for r in replicas])
             policy = self.client_policy(case)
             actions = self._actions(case, requests)
-            poller = CounterPoller(urls)
+            poller = CounterPoller(urls, load_readers=self.fleet.load_readers())
             before = CpuReading.of(replicas, self.fleet.workers)
             results, duration, log = asyncio.run(
                 _with_poller(poller, run_open_loop(requests, self.model, target, policy,
@@ -148,7 +154,9 @@ class Bench:
                 entries: list[str]) -> Target:
         urls = self.fleet.urls
         if router.kind == IDEAL:
-            home = ideal_assignment(requests, len(urls))
+            adapters = self.fleet.adapters
+            home = ideal_assignment(requests, len(urls),
+                                    adapters.adapter_for if adapters is not None else None)
             return lambda req, attempt: urls[(home[req.tenant] + attempt) % len(urls)]
         rotation = itertools.cycle(entries)  # the plain round-robin balancer
         return lambda req, attempt: next(rotation)
@@ -162,9 +170,13 @@ class Bench:
 
 
 async def _with_poller(poller: CounterPoller, load: Any) -> Any:
-    stop = asyncio.Event()
-    task = asyncio.create_task(poller.run(stop))
+    """Run `load` (a coroutine) once the poller has its baseline, polling until it is done."""
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(poller.run(stop, ready))
     try:
+        waiter = asyncio.create_task(ready.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
         return await load
     finally:
         await asyncio.sleep(1.5)  # let the workers' counters catch up with the last request

@@ -20,6 +20,10 @@ to one worker (the hit-rate ceiling). Cases (production's, per the gateway issue
 
 The working set (shared prefixes) is sized against one worker's KV cache (`--working-set`,
 default 1.5x one worker, so 0.75x a fleet of two).
+
+With `--adapters N` every worker serves N random LoRA adapters (`--max-loras` K in a batch,
+rank `--adapter-rank`), tenant t's requests name adapter t mod N, and each run also reports
+the workers' adapter loads per completed request (benchmarks/gateway_adapters.py).
 """
 
 from __future__ import annotations
@@ -36,6 +40,12 @@ from typing import Any
 
 from rich.console import Console
 
+from benchmarks.gateway_adapters import (
+    ADAPTER_ROUTERS,
+    add_adapter_arguments,
+    check_adapter_arguments,
+    write_fleet_adapters,
+)
 from benchmarks.gateway_calibrate import (
     FleetShape,
     GatewayRouteKeys,
@@ -50,6 +60,7 @@ from kvserve.bench.gateway_fleet import (
     Fleet,
     RouterSpec,
 )
+from kvserve.bench.gateway_lora import LOAD_COUNT_NOTES
 from kvserve.bench.gateway_report import CaseRun, print_pooled, print_tables
 from kvserve.bench.gateway_workload import (
     BlockTexts,
@@ -91,9 +102,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("gateway", help="routers side by side on a local multi-tenant fleet",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cases", default="base", help=f"comma-separated: {', '.join(CASES)}, all")
-    p.add_argument("--routers", default=DEFAULT_ROUTERS,
+    p.add_argument("--routers", default=None,
                    help="comma-separated: ideal, kvserve:POLICY, sglang:POLICY, "
-                        "envoy+kvserve-epp:POLICY (Envoy in front of `kvserve epp`)")
+                        "envoy+kvserve-epp:POLICY (Envoy in front of `kvserve epp`); default "
+                        f"{DEFAULT_ROUTERS} ({ADAPTER_ROUTERS} with --adapters)")
     p.add_argument("--workers", type=int, default=2, help="workers in the fleet")
     p.add_argument("--worker-server", choices=(KVSERVE, VLLM), default=KVSERVE)
     p.add_argument("--model", default="tiny", help="tiny, 100m or a checkpoint dir")
@@ -130,6 +142,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="kvserve gateway admission queue timeout, s (its own default)")
     c.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
                    help="extra argument for each `kvserve gateway` (repeatable)")
+    add_adapter_arguments(p)
     p.add_argument("--calibrate", default=None, metavar="PROFILE",
                    help="also simulate each kvserve policy run with this cost profile "
                         "(kvserve: `python -m benchmarks profile --threads 1`) and compare")
@@ -146,7 +159,10 @@ def run(args: argparse.Namespace) -> int:
         names = CASES if args.cases.strip() == "all" else [
             n.strip() for n in args.cases.split(",") if n.strip()]
         cases = [case_of(n) for n in names]
-        routers = [RouterSpec.parse(r) for r in args.routers.split(",") if r.strip()]
+        default_routers = DEFAULT_ROUTERS if args.adapters is None else ADAPTER_ROUTERS
+        routers = [RouterSpec.parse(r) for r in (args.routers or default_routers).split(",")
+                   if r.strip()]
+        check_adapter_arguments(args, routers)
         if args.calibrate and args.worker_arg:
             raise ValueError("--calibrate simulates workers as `kvserve serve` runs them by "
                              "default; drop --worker-arg to calibrate")
@@ -173,6 +189,13 @@ def run(args: argparse.Namespace) -> int:
                         extra_args=tuple(args.worker_arg) + (
                             ("--enable-prompt-tokens-details",)
                             if args.worker_server == VLLM else ()))
+    if args.worker_server == VLLM and capacity < launch.max_model_len:
+        err.print(f"KV cache {capacity} tokens per worker (working set {working_set} / "
+                  f"--working-set {args.working_set:g}): vLLM refuses to start below "
+                  f"max_model_len ({launch.max_model_len}); lower --working-set or give more "
+                  "--tenants, --requests or --prefix-tokens", style="red", markup=False,
+                  soft_wrap=True)
+        return 2
     err.print(f"working set {working_set} tokens; KV cache {capacity} tokens per worker "
               f"({args.working_set:g}x); {args.workers} {args.worker_server} workers",
               highlight=False)
@@ -195,8 +218,13 @@ def run(args: argparse.Namespace) -> int:
     overheads: list[OverheadRun] = []
     sims: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-gateway-") as tmp:
+        try:
+            adapters = write_fleet_adapters(args, model_dir, Path(tmp))
+        except ValueError as exc:
+            err.print(str(exc), style="red", markup=False, soft_wrap=True)
+            return 2
         fleet = Fleet(args.worker_server, launch, args.workers, Path(tmp), args.startup_timeout,
-                      kv_events=True)
+                      kv_events=True, adapters=adapters)
         shape = replace(shape, worker_ids=tuple(fleet.urls))
         bench = Bench(args, fleet, spec, texts, model_dir.name, Path(tmp), err)
         try:
@@ -247,7 +275,11 @@ def run(args: argparse.Namespace) -> int:
     print_tables(runs, f"{args.workers} {args.worker_server} workers ({args.model}), "
                        f"{args.tenants} tenants x {args.prefix_tokens[0]}-{args.prefix_tokens[1]}"
                        f"-token prefixes, {args.requests} requests at {args.rate:g}/s, KV "
-                       f"{capacity} tokens/worker")
+                       f"{capacity} tokens/worker"
+                       + (f", {args.adapters} adapters of rank {args.adapter_rank}, "
+                          f"{args.max_loras} slots/worker" if args.adapters else ""))
+    if args.adapters:
+        print(LOAD_COUNT_NOTES[args.worker_server])
     print_pooled(runs)
     print_calibration(runs, sims)
     if args.json:
@@ -255,6 +287,8 @@ def run(args: argparse.Namespace) -> int:
             "config": {k: (v if isinstance(v, int | float | str | bool | None) else str(v))
                        for k, v in vars(args).items() if k != "func"},
             "working_set_tokens": working_set, "kv_tokens_per_worker": capacity,
+            "adapter_loads_counted": (LOAD_COUNT_NOTES[args.worker_server] if args.adapters
+                                      else None),
             "runs": [r.as_dict() for r in runs],
             "overhead": [r.as_dict() for r in overheads]}, indent=1))
     if args.plot is not None and runs:

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import with_repo_on_path
+from kvserve.bench.gateway_counters import CounterTotals
 from kvserve.bench.gateway_fleet import RouterSpec
-from kvserve.bench.gateway_load import CounterTotals
 from kvserve.bench.gateway_report import prediction_accuracy
 from kvserve.bench.gateway_workload import (
     BlockTexts,

@@ -4,8 +4,10 @@ Workers are `LaunchedServer`s (kvserve or vLLM), each with one compute thread an
 where the machine has one per worker. Each router configuration starts cold on a fresh fleet:
 kvserve workers are restarted (a second or two), vLLM workers keep running and have their prefix
 cache reset (`POST /reset_prefix_cache`, which needs VLLM_SERVER_DEV_MODE=1; their startup takes
-a minute). Routers are kvserve's gateway (`kvserve gateway`) or SGLang's router, one or several
-replicas, each its own process; "ideal" is no router at all (the clients split by tenant).
+a minute). With LoRA adapters (gateway_lora.py) every worker serves them all, and vLLM
+workers also have their adapter slots reset. Routers are kvserve's gateway (`kvserve gateway`)
+or SGLang's router, one or several replicas, each its own process; "ideal" is no router at all
+(the clients split by tenant).
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ from pathlib import Path
 
 import httpx
 
+from kvserve.bench.gateway_counters import LoadReader
 from kvserve.bench.gateway_envoy import ENVOY_EPP, EnvoyEpp
+from kvserve.bench.gateway_lora import (
+    FleetAdapters,
+    LogLineCount,
+    kvserve_loads,
+    reset_vllm_adapters,
+    vllm_worker_env,
+)
 from kvserve.bench.peers_env import missing_peer_message, sglang_router_binary
 from kvserve.bench.server_launch import (
     KVSERVE,
@@ -206,14 +216,20 @@ def make_router(spec: RouterSpec, workers: Sequence[str], log_dir: Path,
 
 
 class Fleet:
-    """`num_workers` servers of one kind, started once; `fresh()` gives a cold fleet."""
+    """`num_workers` servers of one kind, started once; `fresh()` gives a cold fleet. With
+    `adapters`, every worker serves them (gateway_lora.py)."""
 
     def __init__(self, server: str, spec: LaunchSpec, num_workers: int, log_dir: Path,
-                 startup_timeout_s: float, kv_events: bool = False) -> None:
+                 startup_timeout_s: float, kv_events: bool = False,
+                 adapters: FleetAdapters | None = None) -> None:
         if server not in (KVSERVE, VLLM):
             raise ValueError(f"--worker-server {server!r}: choose kvserve or vllm")
         cores = os.cpu_count() or 1
-        self.server = server
+        self.server, self.adapters, self.model = server, adapters, spec.served_model_name
+        self._used = False  # whether anything ran on the fleet since `start()` (`fresh`)
+        if adapters is not None:
+            spec = replace(spec, extra_args=spec.extra_args + adapters.worker_args(),
+                           env=spec.env + (vllm_worker_env(log_dir) if server == VLLM else ()))
         # With kv_events, every worker (kvserve or vLLM, the same flag) publishes its KV events
         # on ZMQ, bound on its own ports, and `precise` routers subscribe to them all.
         self._event_ports = [(free_port(), free_port()) for _ in range(num_workers)
@@ -253,19 +269,36 @@ class Fleet:
             w.launch()  # in parallel: each process starts while the others do
         for w in self.workers:
             w.wait_healthy()
+        self._used = False
 
     def fresh(self) -> None:
-        """Cold prefix caches on every worker, every worker up."""
+        """Cold prefix caches on every worker, every worker up; with adapters, the same
+        adapter slots before every router (empty on kvserve's, `reset_vllm_adapters` on
+        vLLM's). Workers just started and not used yet are cold already: kept as they are
+        (kvserve's) or only reset."""
         if self.server == KVSERVE:
-            for w in self.workers:
-                w.stop()
-            self.start()
+            if self._used or not all(w.running for w in self.workers):
+                for w in self.workers:
+                    w.stop()
+                self.start()
+            self._used = True
             return
         for w in self.workers:
             if not w.running:
                 w.launch()
                 w.wait_healthy()
+            if self.adapters is not None:
+                reset_vllm_adapters(w.url, self.adapters, self.model)
             httpx.post(f"{w.url}/reset_prefix_cache", timeout=30.0).raise_for_status()
+
+    def load_readers(self) -> list[LoadReader] | None:
+        """Per worker, what counts its adapter loads (gateway_lora.py); None without adapters.
+        New readers each call: a vLLM one reads its worker's log from the start."""
+        if self.adapters is None:
+            return None
+        if self.server == KVSERVE:
+            return [kvserve_loads for _ in self.workers]
+        return [LogLineCount(w.log_path) for w in self.workers]
 
     def kill(self, index: int) -> None:
         self.workers[index].kill()

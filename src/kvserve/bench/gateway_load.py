@@ -17,6 +17,14 @@ streaming, with the tenant in `X-Tenant-Id`. Clients behave like production ones
   read timeout (a router or worker may act on it; none has to);
 - a request not done `deadline_s` after its arrival is lost.
 
+A request that does not succeed either ended on a clean HTTP error (its last attempt was
+answered with a status and a body: a 4xx/5xx, or a 429/503 past `max_retries`;
+`RequestResult.final_status` says which) or is lost (no answer: the deadline passed, the
+connection failed, the stream broke off).
+
+Each request names `GatewayRequest.model` when it has one (its tenant's LoRA adapter), else the
+run's model.
+
 A kvserve gateway says on each answer how many prompt tokens its policy expected the worker to
 have cached (`x-kvserve-predicted-cached-tokens`); the result keeps it beside the worker's own
 `usage.prompt_tokens_details.cached_tokens`, so the prediction is checked per request.
@@ -26,9 +34,7 @@ token (the first streamed chunk with a choice, even one whose text is still empt
 the attempt that succeeded. Where each attempt goes is the caller's `target`
 (a router replica in round-robin, or the client-side ideal split).
 
-`CounterPoller` scrapes every worker's /metrics once a second and sums the increase of the
-prefix-cache counters (vLLM's names, which kvserve and vLLM both export), a drop counting as a
-restart (Prometheus `increase` semantics), so a fleet's hit rate survives a worker restart.
+The workers' own counters over a run are gateway_counters.py's.
 """
 
 from __future__ import annotations
@@ -45,8 +51,6 @@ import httpx
 
 from kvserve.bench.gateway_workload import GatewayRequest
 from kvserve.client_timeout import SDK_RETRY_COUNT_HEADER, SDK_TIMEOUT_HEADER
-from kvserve.gateway.fleet.scraper import apply_metrics
-from kvserve.gateway.fleet.worker_pool import WorkerState
 from kvserve.wire.http import PREDICTED_CACHED_HEADER
 
 
@@ -80,15 +84,22 @@ class RequestResult:
     rejections: int = 0  # 429 / 503 answers
     failures: int = 0  # other failed attempts
     error: str | None = None
+    # The HTTP status a request that did not succeed ended on (a clean error, module doc);
+    # None for a success or a lost request.
+    final_status: int | None = None
 
 
 class _Rejected(Exception):
-    def __init__(self, retry_after_s: float) -> None:
-        self.retry_after_s = retry_after_s
+    def __init__(self, retry_after_s: float, status: int) -> None:
+        self.retry_after_s, self.status = retry_after_s, status
 
 
 class _Failed(Exception):
-    pass
+    """A failed attempt; `status` when it was a clean HTTP error answer."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 Target = Callable[[GatewayRequest, int], str]
@@ -132,10 +143,11 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict[str, object],
                                  headers=headers) as resp:
             if resp.status_code in (429, 503):
                 await resp.aread()
-                raise _Rejected(_retry_after_s(resp.headers, default_retry_after_s))
+                raise _Rejected(_retry_after_s(resp.headers, default_retry_after_s),
+                                resp.status_code)
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
-                raise _Failed(f"HTTP {resp.status_code}: {text[:200]}")
+                raise _Failed(f"HTTP {resp.status_code}: {text[:200]}", resp.status_code)
             predicted = resp.headers.get(PREDICTED_CACHED_HEADER)
             if predicted is not None:
                 attempt.predicted_cached_tokens = int(predicted)
@@ -172,8 +184,8 @@ async def send_request(client: httpx.AsyncClient, request: GatewayRequest, model
     """Send `request` until it succeeds, runs out of retries, or passes its deadline."""
     result = RequestResult(request.request_id, request.tenant)
     body: dict[str, object] = {
-        "model": model, "prompt": request.prompt, "max_tokens": request.max_tokens,
-        "temperature": 0.0, "ignore_eos": True, "stream": True,
+        "model": request.model or model, "prompt": request.prompt,
+        "max_tokens": request.max_tokens, "temperature": 0.0, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     deadline = started + policy.deadline_s
@@ -182,7 +194,7 @@ async def send_request(client: httpx.AsyncClient, request: GatewayRequest, model
         remaining = deadline - time.perf_counter()
         if remaining <= 0:
             result.error = result.error or "deadline passed"
-            return result
+            return result  # final_status: what the last attempt was answered, if anything
         result.attempts += 1
         attempt = _Attempt()
         task = asyncio.create_task(_stream(client, target(request, attempt_no), body,
@@ -194,6 +206,7 @@ async def send_request(client: httpx.AsyncClient, request: GatewayRequest, model
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
+            result.final_status = None  # this attempt got no answer
             if attempt.ttft_s is None and policy.ttft_timeout_s is not None:
                 result.timeouts += 1
                 retries += 1
@@ -206,6 +219,7 @@ async def send_request(client: httpx.AsyncClient, request: GatewayRequest, model
             return result
         except _Rejected as exc:
             result.rejections += 1
+            result.final_status = exc.status
             if policy.rejections_spend_retries:
                 retries += 1
                 if retries > policy.max_retries:
@@ -215,13 +229,13 @@ async def send_request(client: httpx.AsyncClient, request: GatewayRequest, model
             continue
         except _Failed as exc:
             result.failures += 1
-            result.error = str(exc)
+            result.error, result.final_status = str(exc), exc.status
             retries += 1
             if retries > policy.max_retries:
                 return result
             await asyncio.sleep(policy.error_backoff_s)
             continue
-        result.ok, result.error = True, None
+        result.ok, result.error, result.final_status = True, None, None
         result.ttft_s = attempt.ttft_s
         result.e2e_s = time.perf_counter() - started
         result.output_tokens = attempt.output_tokens
@@ -295,64 +309,3 @@ async def run_open_loop(requests: Sequence[GatewayRequest], model: str, target: 
         duration = time.perf_counter() - start
     results = [r for r in results_and_actions if isinstance(r, RequestResult)]
     return results, duration, log
-
-
-@dataclass(slots=True)
-class CounterTotals:
-    """Increases of one worker's prefix-cache counters (tokens) since polling began."""
-
-    queries: float = 0.0
-    hits: float = 0.0
-    last_queries: float | None = None
-    last_hits: float | None = None
-
-    def add(self, queries: float, hits: float) -> None:
-        self.queries += _increase(self.last_queries, queries)
-        self.hits += _increase(self.last_hits, hits)
-        self.last_queries, self.last_hits = queries, hits
-
-
-def _increase(last: float | None, value: float) -> float:
-    """A counter's growth since `last` (None: the first reading); a drop means it restarted."""
-    if last is None:
-        return 0.0
-    return value - last if value >= last else value
-
-
-class CounterPoller:
-    """Polls each worker's /metrics every `interval_s` until stopped (see the module docstring).
-    Call `poll_once()` before the run (the baseline) and after it (the final reading)."""
-
-    def __init__(self, worker_urls: Sequence[str], interval_s: float = 1.0) -> None:
-        self.urls = list(worker_urls)
-        self.interval_s = interval_s
-        self.totals = {url: CounterTotals() for url in self.urls}
-
-    async def poll_once(self, client: httpx.AsyncClient) -> None:
-        for url in self.urls:
-            try:
-                resp = await client.get(f"{url}/metrics", timeout=2.0)
-                resp.raise_for_status()
-            except httpx.HTTPError:
-                continue  # down (being restarted): its next reading catches up
-            state = WorkerState(url=url)
-            apply_metrics(state, resp.text)
-            self.totals[url].add(state.prefix_queries, state.prefix_hits)
-
-    async def run(self, stop: asyncio.Event) -> None:
-        async with httpx.AsyncClient() as client:
-            await self.poll_once(client)
-            while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), self.interval_s)
-                await self.poll_once(client)
-
-    def hit_rate(self) -> float:
-        queries = sum(t.queries for t in self.totals.values())
-        hits = sum(t.hits for t in self.totals.values())
-        return hits / queries if queries else float("nan")
-
-    def shares(self) -> list[float]:
-        """Each worker's share of the prompt tokens looked up fleet-wide (its load)."""
-        total = sum(t.queries for t in self.totals.values())
-        return [self.totals[u].queries / total if total else float("nan") for u in self.urls]

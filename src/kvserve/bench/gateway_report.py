@@ -8,7 +8,10 @@ losing requests never buys a better p99), completed requests per second, lost re
 success by the deadline or the retry limit), retries (timed-out or failed attempts resent),
 429/503 answers, and each worker's share of the prompt tokens. Behind a kvserve gateway, the
 policy's predicted cached tokens against the worker's reported ones, per request
-(`prediction_accuracy`).
+(`prediction_accuracy`). Of the lost requests, those that ended on a clean HTTP error answer
+(`errored`) and those that got no answer at all (`unanswered`). With LoRA adapters: each
+worker's adapter loads over the run and the fleet's loads per completed request (gateway_lora.py
+says what is counted on each kind of worker).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvserve.bench.gateway_load import CounterPoller, RequestResult
+from kvserve.bench.gateway_counters import CounterPoller
+from kvserve.bench.gateway_load import RequestResult
 from kvserve.bench.gateway_workload import GatewayRequest
 from kvserve.gateway.core.prefix import CHARS_PER_TOKEN
 from kvserve.percentiles import at_rank, percentile
@@ -62,11 +66,18 @@ class CaseRun:
     # gateway's header, the worker's usage), and their summary (`prediction_accuracy`).
     predicted_vs_cached: list[list[int]] = field(default_factory=list)
     prediction: dict[str, float] = field(default_factory=dict)
+    errored: int = 0  # of the lost, those that ended on a clean HTTP error answer
+    unanswered: int = 0  # of the lost, those that got no answer (lost = errored + unanswered)
+    adapter_loads: list[float] | None = None  # each worker's, over the run; None: no adapters
+    adapter_loads_per_request: float = float("nan")  # the fleet's, per completed request
 
     def one_line(self) -> str:
         return (f"hit {self.hit_rate:.3f} · TTFT p50 {self.ttft_ms['p50']:.0f} ms "
                 f"p99 {self.ttft_ms['p99']:.0f} ms · {self.completed}/{self.requests} done · "
-                f"{self.retries} retries · {self.rejections} 429s · shares "
+                f"{self.retries} retries · {self.rejections} 429s · "
+                + (f"adapter loads/request {self.adapter_loads_per_request:.2f} · "
+                   if self.adapter_loads is not None else "")
+                + "shares "
                 f"{'/'.join(f'{s:.2f}' for s in self.worker_shares)}"
                 + (f" · {'; '.join(self.actions)}" if self.actions else "")
                 + (" · CPU/request " + ", ".join(f"{k} {v:.1f} ms" for k, v in
@@ -171,6 +182,8 @@ def summarize(case: str, router: str, replicas: int, requests: Sequence[GatewayR
              for q, r in zip(requests, results, strict=True) if r.ok
              and r.predicted_cached_tokens is not None and r.cached_tokens is not None]
     ttfts = sorted(r.ttft_s * 1e3 for r in ok if r.ttft_s is not None)
+    loads = poller.adapter_loads()
+    errored = sum(not r.ok and r.final_status is not None for r in results)
     return CaseRun(
         case=case, router=router, replicas=replicas, requests=len(requests),
         completed=len(ok), lost=len(results) - len(ok), hit_rate=poller.hit_rate(),
@@ -186,7 +199,10 @@ def summarize(case: str, router: str, replicas: int, requests: Sequence[GatewayR
                      for i, r in enumerate(results) if r.ok and r.ttft_s is not None],
         ttft_p99_with_lost_ms=percentile_with_lost(ttfts, len(results) - len(ok), 99),
         lost_by_error=dict(Counter(r.error or "unknown" for r in results if not r.ok)),
-        predicted_vs_cached=pairs, prediction=prediction_accuracy(pairs, block_tokens))
+        predicted_vs_cached=pairs, prediction=prediction_accuracy(pairs, block_tokens),
+        errored=errored, unanswered=len(results) - len(ok) - errored, adapter_loads=loads,
+        adapter_loads_per_request=(sum(loads) / len(ok) if loads is not None and ok
+                                   else float("nan")))
 
 
 def fill_ideal_gaps(runs: Sequence[CaseRun]) -> None:
@@ -217,6 +233,7 @@ def print_tables(runs: Sequence[CaseRun], title: str) -> None:
             str(r.retries), str(r.rejections),
             "/".join(f"{s:.2f}" for s in r.worker_shares))
     Console(width=200).print(table)
+    print_adapter_loads(runs)
     print_prediction(runs)
     for r in runs:
         if r.actions or r.errors:
@@ -274,4 +291,25 @@ def print_prediction(runs: Sequence[CaseRun]) -> None:
                       f"{p['exact'] / n:.2f}", f"{p['within_block'] / n:.2f}",
                       f"{p['mae_tokens']:.0f}", str(int(p["over"])), str(int(p["under"])),
                       f"{achieved:.0f}")
+    Console(width=200).print(table)
+
+
+def print_adapter_loads(runs: Sequence[CaseRun]) -> None:
+    """Per run over adapter-serving workers: adapter loads (each worker's, the fleet's per
+    completed request), the hit rate beside them, and what became of the requests (done,
+    ended on a clean HTTP error, no answer at all); nothing when no run served adapters."""
+    rows = [r for r in runs if r.adapter_loads is not None]
+    if not rows:
+        return
+    table = Table(title="LoRA adapters: loads into a slot", title_justify="left")
+    for col in ("case", "seed", "router", "loads/request", "loads", "per worker", "hit rate",
+                "done", "clean errors", "lost (no answer)"):
+        table.add_column(col, justify="left" if col in ("case", "router") else "right")
+    for r in rows:
+        loads = r.adapter_loads or []
+        table.add_row(r.case, str(r.seed), r.router + (f" x{r.replicas}" if r.replicas > 1
+                                                       else ""),
+                      f"{r.adapter_loads_per_request:.3f}", f"{sum(loads):.0f}",
+                      "/".join(f"{x:.0f}" for x in loads), f"{r.hit_rate:.3f}",
+                      f"{r.completed}/{r.requests}", str(r.errored), str(r.unanswered))
     Console(width=200).print(table)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +31,7 @@ class GatewayRequest:
     prompt: str
     prompt_tokens: int  # as the trace says, without the server's BOS
     max_tokens: int
+    model: str | None = None  # the `model` it names (its tenant's adapter); None: the run's
 
 
 class BlockTexts:
@@ -65,13 +66,20 @@ class BlockTexts:
         return "".join(words[: request.input_length])
 
 
-def gateway_requests(trace: Sequence[TraceRequest], texts: BlockTexts) -> list[GatewayRequest]:
-    """The trace as text requests, arrival times relative to the first arrival."""
+def gateway_requests(trace: Sequence[TraceRequest], texts: BlockTexts,
+                     model_of: Callable[[str], str] | None = None) -> list[GatewayRequest]:
+    """The trace as text requests, arrival times relative to the first arrival; with
+    `model_of`, each names `model_of(its tenant)` as its model (a LoRA adapter)."""
     if not trace:
         return []
     t0 = trace[0].arrival_ms
-    return [GatewayRequest(r.request_id, (r.arrival_ms - t0) / 1000.0, r.tenant or "default",
-                           texts.prompt(r), r.input_length, r.output_length) for r in trace]
+    out = []
+    for r in trace:
+        tenant = r.tenant or "default"
+        out.append(GatewayRequest(r.request_id, (r.arrival_ms - t0) / 1000.0, tenant,
+                                  texts.prompt(r), r.input_length, r.output_length,
+                                  model_of(tenant) if model_of is not None else None))
+    return out
 
 
 def tenant_trace(spec: MultiTenantSpec) -> list[TraceRequest]:
@@ -79,24 +87,32 @@ def tenant_trace(spec: MultiTenantSpec) -> list[TraceRequest]:
     return sorted(multi_tenant_trace(spec), key=lambda r: r.arrival_ms)
 
 
-def ideal_assignment(requests: Sequence[GatewayRequest], num_workers: int) -> dict[str, int]:
+def ideal_assignment(requests: Sequence[GatewayRequest], num_workers: int,
+                     group_of: Callable[[str], str] | None = None) -> dict[str, int]:
     """The client-side "ideal" split, the hit-rate ceiling: every tenant pinned to one worker,
     tenants placed largest prefix first on the worker with the least prefix assigned so far
     (LPT on cache footprint), so each worker caches only its own tenants' prefixes and the
     prefixes are spread as evenly as whole tenants allow. A tenant's footprint is its shortest
     prompt (its prefix plus the shortest suffix). Traffic is not balanced: under a skewed mix
-    the hot tenant's worker is busier, which costs TTFT, not hits."""
+    the hot tenant's worker is busier, which costs TTFT, not hits. With `group_of` (a tenant's
+    LoRA adapter), whole groups are pinned alike, their footprint summed, so every adapter
+    loads on one worker only (tenants of different adapters share no prefix, so the hit-rate
+    ceiling is unchanged while the groups balance)."""
     if num_workers < 1:
         raise ValueError("num_workers must be at least 1")
     footprint: dict[str, int] = {}
     for r in requests:
         footprint[r.tenant] = min(footprint.get(r.tenant, r.prompt_tokens), r.prompt_tokens)
+    groups: dict[str, list[str]] = {}
+    for tenant in footprint:
+        groups.setdefault(group_of(tenant) if group_of is not None else tenant, []).append(tenant)
+    size = {g: sum(footprint[t] for t in members) for g, members in groups.items()}
     loads = [0] * num_workers
     assignment: dict[str, int] = {}
-    for tenant in sorted(footprint, key=lambda t: (-footprint[t], t)):
+    for group in sorted(groups, key=lambda g: (-size[g], g)):
         worker = min(range(num_workers), key=lambda w: (loads[w], w))
-        assignment[tenant] = worker
-        loads[worker] += footprint[tenant]
+        assignment.update((tenant, worker) for tenant in groups[group])
+        loads[worker] += size[group]
     return assignment
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 import httpx
 from rich.console import Console
 
+from kvserve.bench.gateway_counters import CounterPoller
 from kvserve.bench.gateway_fleet import (
     IDEAL,
     KVSERVE_GATEWAY,
@@ -40,7 +41,6 @@ from kvserve.bench.gateway_fleet import (
 )
 from kvserve.bench.gateway_load import (
     ClientPolicy,
-    CounterPoller,
     RequestResult,
     Target,
     run_open_loop,

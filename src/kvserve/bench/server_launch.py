@@ -70,6 +70,7 @@ class LaunchSpec:
     block_size: int | None = None  # KV block size in tokens (default: the server's)
     extra_args: tuple[str, ...] = ()  # appended to the server's command line as given
     gguf_file: Path | None = None  # the same model as a GGUF file: what llama.cpp's server reads
+    env: tuple[tuple[str, str], ...] = ()  # set in the server's environment (kvserve and vLLM)
 
 
 def free_port() -> int:
@@ -81,7 +82,7 @@ def free_port() -> int:
 
 def server_command(name: str, spec: LaunchSpec, port: int) -> tuple[list[str], dict[str, str]]:
     """The command line and environment that start server `name`; LaunchError if absent."""
-    env = dict(os.environ)
+    env = dict(os.environ) | dict(spec.env)
     common = ["--model", str(spec.model_dir), "--served-model-name", spec.served_model_name,
               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
               "--max-model-len", str(spec.max_model_len),
