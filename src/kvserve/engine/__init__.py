@@ -12,12 +12,8 @@ from kvserve.engine.core import (
 from kvserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from kvserve.engine.request import FinishReason, Request, RequestStatus, TokenLogprob
 from kvserve.engine.sampling_params import SamplingParams
-from kvserve.engine.scheduler import (
-    ScheduledRequest,
-    Scheduler,
-    SchedulerCounts,
-    SchedulerOutput,
-)
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler_output import ScheduledRequest, SchedulerCounts, SchedulerOutput
 from kvserve.engine.structured import (
     GuidedDecodingParams,
     StructuredKind,

@@ -16,7 +16,8 @@ from typing import Protocol
 from kvserve.engine.config import SchedulerConfig
 from kvserve.engine.detokenizer import IncrementalDetokenizer, TokenDecoder
 from kvserve.engine.request import FinishReason, Request, TokenLogprob
-from kvserve.engine.scheduler import Scheduler, SchedulerCounts, SchedulerOutput
+from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.scheduler_output import SchedulerCounts, SchedulerOutput
 from kvserve.kvcache import AuditReport
 
 

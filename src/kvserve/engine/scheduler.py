@@ -20,18 +20,16 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
-from kvserve.engine.config import PreemptionMode, SchedulerConfig
+from kvserve.engine.config import SchedulerConfig
+from kvserve.engine.integrity import IntegrityChecks
+from kvserve.engine.preemption import Preemption
 from kvserve.engine.request import FinishReason, Request, RequestStatus
-from kvserve.kvcache import (
-    AuditReport,
-    CacheCorruption,
-    FreeReason,
-    KVCacheManager,
-    KVTransfers,
-    PrefixHit,
-)
+from kvserve.engine.scheduler_output import ScheduledRequest, SchedulerCounts, SchedulerOutput
+from kvserve.kvcache import AuditReport, CacheCorruption, FreeReason, KVCacheManager, PrefixHit
+
+# The step's values live in scheduler_output.py; importable from here too.
+__all__ = ["ScheduledRequest", "Scheduler", "SchedulerCounts", "SchedulerOutput"]
 
 _FREE_REASONS = {
     FinishReason.STOP: FreeReason.FINISHED,
@@ -42,90 +40,22 @@ _FREE_REASONS = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class ScheduledRequest:
-    """One request's share of a step: compute tokens `[start, start + num_new_tokens)`.
-
-    `block_table` lists the physical blocks holding the request's whole context. `sample` is
-    True when this chunk reaches the end of the request's tokens, so its last logits are used.
-    `joined`: the requests of the same step that write some of its context's blocks (it shares
-    their prompt blocks in flight); it may run only in a step that runs them too.
-    """
-
-    request: Request
-    start: int
-    num_new_tokens: int
-    block_table: tuple[int, ...]
-    joined: tuple[str, ...] = ()
-
-    @property
-    def sample(self) -> bool:
-        return self.start + self.num_new_tokens == self.request.num_tokens
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start : self.start + self.num_new_tokens]
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerCounts:
-    """The scheduler's queues and running totals at one moment: a value, safe to hand to
-    another thread (metrics, /debug, the simulator's scrapes)."""
-
-    num_running: int
-    num_waiting: int
-    num_waiting_deferred: int  # of the waiting, those the last step left to hit blocks in flight
-    num_preemptions: int
-    num_swap_preemptions: int
-    num_scheduled_tokens: int  # tokens whose KV the steps computed (recomputes too)
-    running_loras: tuple[str, ...] = ()  # distinct LoRA adapter names running (sorted)
-    waiting_loras: tuple[str, ...] = ()  # ... and waiting (vLLM's lora_requests_info)
-    num_waiting_for_adapter: int = 0  # waiting requests the last step left for --max-loras
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    """What one step computes, plus the requests that ended while scheduling it.
-
-    `kv_transfers`: the copies between the device pool and the host tier the model must run
-    before the forward pass (offloads, then loads), even when nothing is scheduled.
-    """
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)  # timeouts, corruption, too long
-    kv_transfers: KVTransfers = field(default_factory=KVTransfers)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
 class Scheduler:
     """Continuous batching over a `KVCacheManager`. Single-threaded: the step loop owns it."""
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
-        if config.preemption_mode is PreemptionMode.SWAP and kv_cache.transfers is None:
-            raise ValueError("swap preemption copies KV to the host tier, but the cache has "
-                             "none; add a host tier or use preemption_mode=recompute")
+        self.preemption = Preemption(config.preemption_mode, kv_cache)  # engine/preemption.py
         self.config = config
         self.kv_cache = kv_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
-        self.num_preemptions = 0
-        self.num_swap_preemptions = 0  # of those, by swapping (the rest recompute)
         self.num_scheduled_tokens = 0  # tokens whose KV the steps computed (recomputes too)
         self._now = 0.0  # the current step's time, for the requests it admits
         self.num_deferred = 0  # waiting requests the last step left to hit blocks in flight
         self.num_waiting_for_adapter = 0  # waiting requests the last step left for --max-loras
-        self._was_idle = True
-        self._last_idle_audit: float | None = None  # when a drain last ran the full audit
+        self._integrity = IntegrityChecks(config, kv_cache)
 
     # -- admission ------------------------------------------------------------------------
 
@@ -153,6 +83,15 @@ class Scheduler:
         (a lone request that fits the cache always makes progress)."""
         return min(self.config.max_model_len,
                    self.kv_cache.pool.num_blocks * self.kv_cache.block_size)
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.preemption.num_preemptions
+
+    @property
+    def num_swap_preemptions(self) -> int:
+        """Of the preemptions, those by swapping (the rest recompute)."""
+        return self.preemption.num_swap_preemptions
 
     @property
     def has_unfinished(self) -> bool:
@@ -189,7 +128,8 @@ class Scheduler:
         while idx < len(self.running) and budget > 0:
             request = self.running[idx]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, out):
+            if not self.preemption.allocate_or_preempt(request, num_new, self.running,
+                                                       self.waiting, out.preempted):
                 break  # the request itself was preempted: everything after it already was
             scheduled.append(self._scheduled(request, num_new))
             in_flight[request.request_id] = request.num_computed_tokens + num_new
@@ -255,17 +195,6 @@ class Scheduler:
         self.num_steps += 1
         return out
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
-        """Allocate slots for a running request, preempting the newest runners until it fits.
-        Returns False if `request` itself had to be preempted."""
-        while self.kv_cache.allocate_slots(request.request_id, num_new) is None:
-            victim = self.running.pop()
-            self._preempt(victim)
-            out.preempted.append(victim)
-            if victim is request:
-                return False
-        return True
-
     def _admit(self, request: Request, num_new: int, scheduled: list[ScheduledRequest],
                joined: tuple[str, ...] = ()) -> None:
         """The head of the queue got its slots: it runs from this step on."""
@@ -276,35 +205,10 @@ class Scheduler:
         self.running.append(request)
         scheduled.append(self._scheduled(request, num_new, joined))
 
-    def _preempt(self, request: Request) -> None:
-        # A swapped-out request keeps its computed tokens (a waiting request with computed
-        # tokens is swapped out); otherwise they are recomputed.
-        if (self.config.preemption_mode is PreemptionMode.SWAP
-                and self.kv_cache.swap_out(request.request_id)):
-            self.num_swap_preemptions += 1
-        else:
-            self.kv_cache.free(request.request_id, FreeReason.PREEMPTED)
-            request.num_computed_tokens = 0
-        request.status = RequestStatus.PREEMPTED
-        request.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(request)
-
     def _scheduled(self, request: Request, num_new: int,
                    joined: tuple[str, ...] = ()) -> ScheduledRequest:
         table = tuple(self.kv_cache.block_table(request.request_id))
         return ScheduledRequest(request, request.num_computed_tokens, num_new, table, joined)
-
-    def _recompute_later(self, requests: list[Request]) -> None:
-        """Send admitted requests back to the head of the queue with nothing computed: they
-        shared blocks in flight that their step will not write after all."""
-        for request in reversed(requests):
-            self.running.remove(request)
-            self.kv_cache.free(request.request_id, FreeReason.PREEMPTED)
-            request.num_computed_tokens = 0
-            request.num_cached_tokens = -1
-            request.status = RequestStatus.WAITING
-            self.waiting.appendleft(request)
 
     def _verified(
         self, scheduled: list[ScheduledRequest], out: SchedulerOutput
@@ -325,7 +229,7 @@ class Scheduler:
             orphans = [item.request for item in kept if not running.issuperset(item.joined)]
             if not orphans:
                 return kept
-            self._recompute_later(orphans)
+            self.preemption.recompute_later(orphans, self.running, self.waiting)
             kept = [item for item in kept if item.request.status is RequestStatus.RUNNING]
 
     def _expire(self, now: float, out: SchedulerOutput) -> None:
@@ -366,8 +270,9 @@ class Scheduler:
         for request in ended:
             self.finish(request, FinishReason.ERROR, error=error)
         # What they shared in flight was never written: they recompute from the start.
-        self._recompute_later([item.request for item in output.scheduled
-                               if item.joined and not item.request.is_finished])
+        self.preemption.recompute_later([item.request for item in output.scheduled
+                                         if item.joined and not item.request.is_finished],
+                                        self.running, self.waiting)
         for request in self.waiting:  # a swap-out the step carried is lost: recompute
             if request.num_computed_tokens and not self.kv_cache.has_request(request.request_id):
                 request.num_computed_tokens = 0
@@ -404,26 +309,11 @@ class Scheduler:
     # -- integrity ------------------------------------------------------------------------
 
     def check_integrity(self, now: float) -> AuditReport | None:
-        """When the engine just drained: the idle check, and the full audit instead when
-        `idle_audit_interval_s` has passed since a drain last ran it. While busy: the full audit
-        every `audit_interval_steps` steps. None when nothing was due. Blocks held by requests
-        the scheduler no longer knows are reclaimed (and counted) after a failed check."""
-        idle = not self.has_unfinished
-        interval = self.config.audit_interval_steps
-        report = None
-        if idle and not self._was_idle:
-            last = self._last_idle_audit
-            if last is None or now - last >= self.config.idle_audit_interval_s:
-                report = self.kv_cache.check_idle()
-                self._last_idle_audit = now
-            else:
-                report = self.kv_cache.check_idle_quick()
-        elif not idle and interval and self.num_steps % interval == 0:
-            report = self.kv_cache.audit(self.live_request_ids)
-        self._was_idle = idle
-        if report is not None and not report.ok:
-            self.kv_cache.reap(live_request_ids=self.live_request_ids)
-        return report
+        """The cache check due after this step (engine/integrity.py); None when nothing was
+        due. Blocks held by requests the scheduler no longer knows are reclaimed (and counted)
+        after a failed check."""
+        return self._integrity.after_step(now, not self.has_unfinished, self.num_steps,
+                                          self.requests.keys())
 
 
 def _adapter_names(requests: Iterable[Request]) -> tuple[str, ...]:

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import replace
 
+from kvserve.kvcache.allocation import allocate_record_slots, commit_record
 from kvserve.kvcache.audit import AuditReport, run_audit
-from kvserve.kvcache.block import KVBlock
 from kvserve.kvcache.block_pool import BlockPool
 from kvserve.kvcache.errors import UnknownRequest
 from kvserve.kvcache.events import KVEvent
@@ -26,8 +26,8 @@ from kvserve.kvcache.host_tier import HostTier, SlotPool
 from kvserve.kvcache.idle_check import merge_reports, quick_idle_report
 from kvserve.kvcache.imports import KVImports
 from kvserve.kvcache.ledger import Ledger, LedgerEntry, RequestRecord
-from kvserve.kvcache.prefix_hits import TierSlots, claim_prefix_hit, find_prefix_hit
-from kvserve.kvcache.publishing import announce, publish, withdraw
+from kvserve.kvcache.prefix_hits import find_prefix_hit
+from kvserve.kvcache.publishing import withdraw
 from kvserve.kvcache.stats import KVCacheCounters, KVCacheStats
 from kvserve.kvcache.step_copies import cancel_step_copies, complete_step_copies
 from kvserve.kvcache.swapping import start_swap_in, start_swap_out
@@ -125,70 +125,15 @@ class KVCacheManager:
     def allocate_slots(
         self, request_id: str, num_new_tokens: int, prefix_hit: PrefixHit | None = None
     ) -> SlotAllocation | None:
-        """Make room for `num_new_tokens` more tokens after those already computed.
-
-        On the first allocation `prefix_hit` (from `lookup`) is taken: its blocks join the table
-        and its tokens count as computed; its host and disk slots get fresh blocks and scheduled
-        loads (published after `complete_transfers`). Returns None when there is not enough free
-        space, and then nothing has changed: no refcount, queue position, map entry, pin or
-        counter.
-        """
-        # Invariant: capacity is checked before any block is touched (all-or-nothing).
+        """Make room for `num_new_tokens` more tokens after those already computed, taking
+        `prefix_hit` (from `lookup`) on the first allocation (allocation.py). None when there
+        is not enough free space, and then nothing has changed."""
         record = self._record(request_id)
-        if record.swap_slots and not record.block_table:
-            raise ValueError(f"request {request_id!r} is swapped out; resume it with swap_in")
-        hit_blocks: list[KVBlock] = []
-        tier_slots: TierSlots = []
-        if prefix_hit is not None and prefix_hit.num_tokens:
-            if record.block_table:
-                raise ValueError(f"request {request_id!r}: a prefix hit is only taken at admission")
-            hit_blocks, tier_slots = claim_prefix_hit(self.pool, self.transfers, record,
-                                                      prefix_hit)
-        num_hit_blocks = len(hit_blocks) + len(tier_slots)
-        num_computed = record.num_computed_tokens + num_hit_blocks * self.block_size
-        num_tokens = num_computed + num_new_tokens
-        if num_tokens > len(record.token_ids) or num_new_tokens < 0:
-            raise ValueError(
-                f"request {request_id!r}: cannot allocate {num_new_tokens} new tokens after "
-                f"{num_computed} computed; it has only {len(record.token_ids)} tokens"
-            )
-        num_needed = max(record.num_blocks_needed(num_tokens, self.block_size) - len(hit_blocks),
-                         0)
-        num_reclaimed_hits = sum(1 for b in hit_blocks if b.ref_cnt == 0)
-        if num_needed + num_reclaimed_hits > self.pool.num_free_blocks:
+        new_blocks = allocate_record_slots(self.pool, self.transfers, self.imports, self.pending,
+                                           self.counters, record, num_new_tokens, prefix_hit,
+                                           self.enable_prefix_caching)
+        if new_blocks is None:
             return None
-
-        is_admission = not record.block_table
-        self.pool.touch(hit_blocks, request_id)
-        tiers = self.transfers
-        # Pinned before the pool evicts (and offloads) anything; deepest first, so the chain's
-        # head is the most recently used and a tier's LRU gives up its tail first.
-        for slot, source in reversed(tier_slots):
-            assert tiers is not None, "claimed above"
-            tiers.tier(source).pin(slot)
-        new_blocks = self.pool.allocate(num_needed, request_id)
-        assert new_blocks is not None, "free count checked above"
-        if is_admission and self.imports is not None:
-            self.imports.release(request_id)  # its loads pin what it needs now
-        for block in (*hit_blocks, *new_blocks):
-            record.block_table.append(block)
-            record.block_epochs.append(block.epoch)
-        for offset, (slot, source) in enumerate(tier_slots):
-            assert tiers is not None, "claimed above"
-            tiers.load(request_id, len(hit_blocks) + offset, new_blocks[offset], slot, source)
-            tiers.tier(source).counters.hit_blocks += 1
-            tiers.tier(source).counters.hit_tokens += self.block_size
-        if num_hit_blocks:
-            record.num_computed_tokens = num_computed
-            record.num_cached_tokens = num_computed
-        if is_admission and self.enable_prefix_caching:
-            self.counters.prefix_queries_tokens += len(record.token_ids)
-            self.counters.prefix_hits_tokens += record.num_cached_tokens
-        if self.enable_prefix_caching:
-            # Loaded blocks are announced too: until published, a twin request waits for them.
-            first = (len(hit_blocks) if tier_slots
-                     else record.num_computed_tokens // self.block_size)
-            announce(self.pending, self.pool, record, first)
         record.last_active = self._clock()
         return SlotAllocation(tuple(b.block_id for b in new_blocks), record.num_cached_tokens)
 
@@ -196,33 +141,9 @@ class KVCacheManager:
         """The model has written KV for the first `num_computed_tokens` tokens. Full blocks among
         them become shareable now, never earlier (a hash is published only over written KV)."""
         record = self._record(request_id)
-        capacity = len(record.block_table) * self.block_size
-        if not record.num_computed_tokens <= num_computed_tokens <= min(
-            capacity, len(record.token_ids)
-        ):
-            raise ValueError(
-                f"request {request_id!r}: commit of {num_computed_tokens} tokens is outside "
-                f"[{record.num_computed_tokens}, {min(capacity, len(record.token_ids))}]"
-            )
-        first_new_full = record.num_computed_tokens // self.block_size
-        num_full = num_computed_tokens // self.block_size
-        record.num_computed_tokens = num_computed_tokens
-        if record.pending_hashes:
-            withdraw(self.pending, record, record.block_hashes[first_new_full:num_full])
+        commit_record(self.pool, self.pending, self.counters, record, num_computed_tokens,
+                      self.enable_prefix_caching)
         record.last_active = self._clock()
-        if not self.enable_prefix_caching or num_full <= first_new_full:
-            return
-        record.extend_hashes(num_full, self.block_size)
-        for idx in range(first_new_full, num_full):
-            block = record.block_table[idx]
-            if block.block_hash is not None:
-                # A prefix-hit block, already cached under this very hash. Any other hash is a
-                # key left behind by a reuse: counted here, named by the audit, never hit (the
-                # lookup refuses a block whose epoch moved on since it was cached).
-                if block.block_hash != record.block_hashes[idx]:
-                    self.counters.corruption_detections += 1
-                continue
-            publish(self.pool, record, idx)
 
     def free(self, request_id: str, reason: FreeReason = FreeReason.FINISHED) -> int:
         """Release everything the request holds; the one path for every ending. Idempotent:
