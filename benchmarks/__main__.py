@@ -26,6 +26,7 @@ from benchmarks import (
     router_cpu_cli,
     server_path_cli,
     structured_cli,
+    text_capacity_cli,
     tp_cli,
 )
 
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     real_chats_cli.add_parser(commands)
     precision_cli.add_parser(commands)
     knobs_cli.add_parser(commands)
+    text_capacity_cli.add_parser(commands)
     return parser
 
 

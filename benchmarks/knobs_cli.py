@@ -13,7 +13,9 @@ simulate`'s own flags (workload, fleet, clients); `--seed` there is replaced by 
 Knobs: `late_fraction`, `decrease` (the latency limit's), `rate_window_s`, `min_rate_samples`
 (admission's service rate), `answer_quantile`, `answer_samples`, `min_answer_samples`
 (queue_wait's recent answer time), `seniority_ttl_s`, `slot_headroom` (a worker's slots past
-its batch, as a fraction of it; `default` is `worker_pool.worker_slots`).
+its batch, as a fraction of it; `default` is `worker_pool.worker_slots`), `cold_load_factor`
+(the bound `cache_aware` and `precise` place a prefix no index holds under). With `--adapters`
+after `--`, a column of adapter loads per request.
 """
 
 from __future__ import annotations
@@ -29,17 +31,20 @@ from rich.console import Console
 from rich.table import Table
 
 from kvserve.gateway.core import admission_core, latency_limit, queue_wait
+from kvserve.gateway.core.pipeline import cache_aware, precise, prefix_hash
 from kvserve.gateway.fleet.worker_pool import worker_slots
 from kvserve.sim import command, fleet
 from kvserve.sim.fleet import FleetSimulator
 
-_CONSTANTS = {  # knob: (module, name, type)
-    "late_fraction": (latency_limit, "LATE_FRACTION", float),
-    "rate_window_s": (admission_core, "RATE_WINDOW_S", float),
-    "min_rate_samples": (admission_core, "MIN_RATE_SAMPLES", int),
-    "answer_quantile": (queue_wait, "ANSWER_QUANTILE", float),
-    "answer_samples": (queue_wait, "ANSWER_SAMPLES", int),
-    "min_answer_samples": (queue_wait, "MIN_ANSWER_SAMPLES", int),
+_CONSTANTS = {  # knob: (modules that hold it, name, type)
+    "late_fraction": ((latency_limit,), "LATE_FRACTION", float),
+    "rate_window_s": ((admission_core,), "RATE_WINDOW_S", float),
+    "min_rate_samples": ((admission_core,), "MIN_RATE_SAMPLES", int),
+    "answer_quantile": ((queue_wait,), "ANSWER_QUANTILE", float),
+    "answer_samples": ((queue_wait,), "ANSWER_SAMPLES", int),
+    "min_answer_samples": ((queue_wait,), "MIN_ANSWER_SAMPLES", int),
+    # the policies import it by name, so each module's binding is set
+    "cold_load_factor": ((prefix_hash, cache_aware, precise), "COLD_LOAD_FACTOR", float),
 }
 KNOBS = (*_CONSTANTS, "decrease", "seniority_ttl_s", "slot_headroom")
 
@@ -68,13 +73,15 @@ def _setting(knob: str, value: str, sim_args: argparse.Namespace) -> Iterator[
         Callable[[FleetSimulator], None]]:
     """Set `knob` to `value` for one run: yields a hook for the built simulator."""
     if knob in _CONSTANTS:
-        module, name, kind = _CONSTANTS[knob]
-        old = getattr(module, name)
-        setattr(module, name, kind(value))
+        modules, name, kind = _CONSTANTS[knob]
+        olds = [getattr(m, name) for m in modules]
+        for m in modules:
+            setattr(m, name, kind(value))
         try:
             yield lambda sim: None
         finally:
-            setattr(module, name, old)
+            for m, old in zip(modules, olds, strict=True):
+                setattr(m, name, old)
     elif knob == "decrease":
         old_limit = fleet.LatencyLimit
         fleet.LatencyLimit = partial(old_limit, decrease=float(value))  # type: ignore[misc]
@@ -99,8 +106,9 @@ def _setting(knob: str, value: str, sim_args: argparse.Namespace) -> Iterator[
 def run(args: argparse.Namespace) -> int:
     out = Console(width=160)
     table = Table(title=f"{args.knob} sweep")
+    adapters = _simulate_args(args.simulate, 0).adapters > 0
     for col in ("value", "seed", "hit rate", "TTFT p50/p99", "TTFT≤SLO", "answered",
-                "retries/429"):
+                "retries/429", *(["adapter loads/req"] if adapters else [])):
         table.add_column(col)
     ok = True
     for value in args.values.split(","):
@@ -126,8 +134,10 @@ def run(args: argparse.Namespace) -> int:
             table.add_row(value, str(seed), f"{r['hit_rate']:.1%}",
                           f"{r['ttft_p50']:.2f}/{r['ttft_p99']:.2f} s",
                           f"{r['slo_attainment']:.1%}", f"{r['num_ok']}/{r['num_requests']}",
-                          f"{r['num_retries']}/{r['num_throttled']}")
+                          f"{r['num_retries']}/{r['num_throttled']}",
+                          *([f"{result.adapter_loads_per_request:.3f}"] if adapters else []))
             if args.json:
-                print(json.dumps({"knob": args.knob, "value": value, "seed": seed, **r}))
+                print(json.dumps({"knob": args.knob, "value": value, "seed": seed, **r,
+                                  "adapter_loads_per_request": result.adapter_loads_per_request}))
     out.print(table)
     return 0 if ok else 1

@@ -12,8 +12,9 @@ __all__ = ["COLD_LOAD_FACTOR", "DEFAULT_LOAD_FACTOR", "PrefixHashPolicy", "load_
 
 # prefix_hash's bound: 2.0 won or tied 1.25 and 1.5 on every simulated mix (docs/operations.md).
 DEFAULT_LOAD_FACTOR = 2.0
-# The bound cache_aware and precise place a prefix no index holds under; it was prefix_hash's
-# 1.25 when their benchmarks were taken and has not been measured on its own since.
+# The bound cache_aware and precise place a prefix no index holds under. A trade, measured in
+# the simulator (docs/operations.md, constants): 1.0 answers more in time without adapters but
+# undoes adapter affinity; 2.0 and up keep adapters together but answer fewer in time.
 COLD_LOAD_FACTOR = 1.25
 
 
