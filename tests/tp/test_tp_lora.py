@@ -15,6 +15,8 @@ from kvserve.engine import SamplingParams
 from kvserve.model import load_model
 from kvserve.model.lora import AdapterSharding, AdapterSlots, LoRAWeights, load_peft_adapter
 from kvserve.model.tensor_parallel import ShardSpec
+from kvserve.runtime import EngineArgs
+from kvserve.runtime.tp.group_check import GroupIdentity
 from tests.lora.adapters import write_peft_adapter
 from tests.runtime.conftest import make_engine, random_prompt, run_to_completion
 from tests.server.harness import ADMIN_KEY, ServerProcess
@@ -183,3 +185,14 @@ def test_serve_tp2_with_lora_modules_matches_tp1(tp_checkpoints, adapters, tmp_p
         want = [e.logprob for e in done[model].outputs[0].logprobs]
         assert all(abs(a - b) < TOL for a, b in zip(logprobs, want, strict=True)), model
     assert len({round(lp[0], 3) for lp in got.values()}) == 4  # four different outputs
+
+
+def test_ranks_must_agree_on_the_adapter_slots(tp_checkpoints) -> None:
+    """Rank 0 fills every rank's slots, so a node started with other LoRA flags is refused."""
+    path = str(tp_checkpoints["llama_gqa"])
+    lora = GroupIdentity.from_args(EngineArgs(model=path, tensor_parallel_size=2,
+                                              enable_lora=True, max_loras=2))
+    plain = GroupIdentity.from_args(EngineArgs(model=path, tensor_parallel_size=2))
+    assert lora.differences(plain, 1) == [
+        "--enable-lora/--max-loras/--max-lora-rank: rank 1 has 2 slots of rank 16, rank 0 has off"]
+    assert not lora.differences(lora, 1)
