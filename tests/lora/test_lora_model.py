@@ -112,9 +112,12 @@ def test_slots_load_once_and_evict_the_least_recently_used(adapter, base, tmp_pa
     slots = AdapterSlots(model, 2, 8, on_load=loads.append, on_evict=evictions.append)
     by_digest = {w.digest: w for w in weights}
     w0, w1, w2 = (w.digest for w in weights)
-    assert slots.begin_step([w0, None, w1], [0, 1, 2, 3], by_digest.__getitem__) == [0, -1, 1]
-    slots.begin_step([w1], [0, 1], by_digest.__getitem__)  # w0 is now least recently used
-    assert slots.begin_step([w2, w1], [0, 1, 2], by_digest.__getitem__) == [0, 1]
+    first = slots.begin_step([w0, None, w1], [0, 1, 2, 3], by_digest.__getitem__)
+    assert first.seq_slots == (0, -1, 1)
+    assert [(load.slot, load.weights.digest) for load in first.loads] == [(0, w0), (1, w1)]
+    assert not slots.begin_step([w1], [0, 1], by_digest.__getitem__).loads  # w0: LRU now
+    third = slots.begin_step([w2, w1], [0, 1, 2], by_digest.__getitem__)
+    assert third.seq_slots == (0, 1) and [load.slot for load in third.loads] == [0]
     assert loads == [w0, w1, w2] and evictions == [w0]
     with pytest.raises(ValueError, match="--max-loras is 2"):
         slots.begin_step([w0, w1, w2], [0, 1, 2, 3], by_digest.__getitem__)

@@ -54,7 +54,8 @@ class EngineArgs:
     that many seconds fails the step and the worker instead of hanging.
     `enable_lora`: serve LoRA adapters (PEFT format) per request, vLLM's flags: at most
     `max_loras` distinct adapters in one step (their device slots), ranks up to
-    `max_lora_rank`, `max_cpu_loras` kept in host memory (None: `max_loras`). One rank only.
+    `max_lora_rank`, `max_cpu_loras` kept in host memory (None: `max_loras`); under tensor
+    parallelism each rank holds its shard of every adapter (model/lora/sharding.py).
     """
 
     model: str | None = None
@@ -150,9 +151,6 @@ class EngineArgs:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
                              f"({self.max_loras}), as vLLM requires")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("LoRA adapters are served on one rank only for now: drop "
-                             "--enable-lora or use -tp 1")
 
     @property
     def resolved_max_cpu_loras(self) -> int:

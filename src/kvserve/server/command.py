@@ -121,7 +121,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node-rank", type=int, default=0,
                    help="this node's index; node 0 serves HTTP, the others only run ranks "
                         "(stopping one stops its ranks, which fails the group); every node "
-                        "needs the same --model, -tp, --block-size, --dtype and --device")
+                        "needs the same --model, -tp, --block-size, --dtype, --device and "
+                        "LoRA flags")
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 from kvserve.engine import ScheduledRequest
 from kvserve.engine.lora import AdapterRef
 from kvserve.model.lora.peft_format import LoRAWeights
-from kvserve.model.lora.slots import AdapterSlots
+from kvserve.model.lora.slots import AdapterSlots, SlotAssignment
 
 
 class RunnerAdapters:
@@ -20,8 +20,9 @@ class RunnerAdapters:
         self.slots, self.resolve, self.on_rows = slots, resolve, on_rows
 
     def begin_step(self, scheduled: Sequence[ScheduledRequest],
-                   query_start: Sequence[int]) -> None:
-        """Before the forward pass: every row of sequence i runs its request's adapter."""
+                   query_start: Sequence[int]) -> SlotAssignment:
+        """Before the forward pass: every row of sequence i runs its request's adapter. The
+        returned assignment is what other tensor-parallel ranks `follow`."""
         refs: dict[bytes, AdapterRef] = {}
         seq_digests: list[bytes | None] = []
         for item in scheduled:
@@ -31,7 +32,8 @@ class RunnerAdapters:
                 refs.setdefault(ref.digest, ref)
                 if self.on_rows is not None:
                     self.on_rows(ref.name, item.num_new_tokens)
-        self.slots.begin_step(seq_digests, query_start, lambda d: self.resolve(refs[d]))
+        return self.slots.begin_step(seq_digests, query_start,
+                                     lambda d: self.resolve(refs[d]))
 
     def end_step(self) -> None:
         self.slots.end_step()

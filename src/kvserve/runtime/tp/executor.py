@@ -7,6 +7,11 @@ hold the same step id and block-table checksum before any K/V is written; a dive
 heads (two all_reduces per layer) and rank 0 alone computes logits and samples. The same
 all_gather carries each rank's compute time of the previous step, the source of the rank-skew
 metric.
+
+With LoRA, rank 0's slots decide each step's adapters (which slot each sequence reads, which
+adapters are copied in over which) before anything is sent; the decision travels in the same
+broadcast as the plan, and every other rank copies its shard of those adapters into the same
+slots before its forward pass. Adapters are fetched (and a changed file refused) on rank 0 only.
 """
 
 from __future__ import annotations
@@ -14,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Protocol
 
 from kvserve.engine import SampledToken, SchedulerOutput, TokenLogprob
 from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.lora import AdapterSlots, SlotAssignment
 from kvserve.model.runner import ModelRunner
 from kvserve.model.step_plan import StepPlan, layout_checksum
 from kvserve.runtime.collective_stats import CollectiveErrorKind, CollectiveStats
@@ -32,6 +39,15 @@ class RankSupervisor(Protocol):
 
     def lost_rank(self) -> tuple[int, str] | None:
         """(rank, what happened) of a rank found gone, if any."""
+
+
+@dataclass(frozen=True, slots=True)
+class RankStep:
+    """One step as rank 0 broadcasts it: the plan, and what rank 0's adapter slots did for it
+    (None: the engine serves no adapters)."""
+
+    plan: StepPlan
+    adapters: SlotAssignment | None = None
 
 
 def check_step(comm: Communicator, step_id: int, checksum: int, prev_compute_ns: int,
@@ -75,14 +91,21 @@ class TensorParallelExecutor:
         begin = time.perf_counter()
         comm = self.comm
         comm.reset_wait()
-        comm.step_id += 1
-        plan = StepPlan.from_output(output, self.runner.block_size, comm.step_id)
-        comm.broadcast_object(plan)
-        computes = check_step(comm, plan.step_id, plan.checksum, self._prev_compute_ns,
-                              self.stats)
-        if comm.step_id > 1:
-            self.stats.observe_compute([ns / 1e9 for ns in computes])
-        hidden = self.runner.forward(plan)  # [num_tokens, hidden], whole on every rank
+        plan = StepPlan.from_output(output, self.runner.block_size, comm.step_id + 1)
+        lora = self.runner.lora
+        # Before anything is sent: an adapter refused here leaves the group where it was.
+        adapters = lora.begin_step(output.scheduled, plan.query_start) if lora else None
+        try:
+            comm.step_id = plan.step_id
+            comm.broadcast_object(RankStep(plan, adapters))
+            computes = check_step(comm, plan.step_id, plan.checksum, self._prev_compute_ns,
+                                  self.stats)
+            if comm.step_id > 1:
+                self.stats.observe_compute([ns / 1e9 for ns in computes])
+            hidden = self.runner.forward(plan)  # [num_tokens, hidden], whole on every rank
+        finally:
+            if lora is not None:
+                lora.end_step()
         self._prompt_logprobs = self.runner.score_prompts(output, plan.query_start, hidden)
         requests = [item.request for item in output.scheduled if item.sample]
         sampled = self.runner.sample(hidden, plan, requests)
@@ -120,16 +143,19 @@ class TensorParallelExecutor:
         self.supervisor.stop()
 
 
-def serve_rank(comm: Communicator, runner: ModelRunner, fault: Fault | None = None) -> None:
-    """A rank other than 0: run every plan rank 0 broadcasts until it sends None. Raises
+def serve_rank(comm: Communicator, runner: ModelRunner, fault: Fault | None = None,
+               adapters: AdapterSlots | None = None) -> None:
+    """A rank other than 0: run every plan rank 0 broadcasts until it sends None, its LoRA
+    `adapters` (this rank's shard of them) following rank 0's slots. Raises
     TensorParallelError (divergence, a failed collective) when the group cannot go on."""
     prev_compute_ns = 0
     expected_step = 1
     while True:
-        plan = comm.broadcast_object(None)
-        if plan is None:
+        step = comm.broadcast_object(None)
+        if step is None:
             return
-        assert isinstance(plan, StepPlan)
+        assert isinstance(step, RankStep)
+        plan = step.plan
         begin = time.perf_counter()
         comm.reset_wait()
         comm.step_id = plan.step_id
@@ -140,6 +166,13 @@ def serve_rank(comm: Communicator, runner: ModelRunner, fault: Fault | None = No
         check_step(comm, step_id, checksum, prev_compute_ns)
         if fault is not None:
             fault.before_forward(comm.rank, plan)
-        runner.forward(plan)
+        if step.adapters is not None:
+            assert adapters is not None, "rank 0 serves adapters and this rank has no slots"
+            adapters.follow(step.adapters, plan.query_start)
+        try:
+            runner.forward(plan)
+        finally:
+            if adapters is not None:
+                adapters.end_step()
         expected_step += 1
         prev_compute_ns = int((time.perf_counter() - begin - comm.wait_s) * 1e9)

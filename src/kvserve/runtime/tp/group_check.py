@@ -24,14 +24,16 @@ from kvserve.runtime.tp.comm import TensorParallelError
 IDENTITY_KEY = "kvserve/group"
 REFUSED_KEY = "kvserve/refused"
 FLAGS = {"tensor_parallel_size": "--tensor-parallel-size", "model_config": "--model",
-         "block_size": "--block-size", "dtype": "--dtype", "device_type": "--device"}
+         "block_size": "--block-size", "dtype": "--dtype", "device_type": "--device",
+         "lora_slots": "--enable-lora/--max-loras/--max-lora-rank"}
 
 
 @dataclass(frozen=True, slots=True)
 class GroupIdentity:
     """The settings that must be equal on every rank. The model is compared by its config.json
     (without the keys HF writes about where it was saved), so the same checkpoint at another
-    path on another node matches; `model` is only shown."""
+    path on another node matches; `model` is only shown. `lora_slots` (adapters on or off, and
+    the slots' count and width) must match because rank 0 fills every rank's slots."""
 
     tensor_parallel_size: int
     model_config: str  # sha256 of the canonical config.json
@@ -39,6 +41,7 @@ class GroupIdentity:
     dtype: str
     device_type: str
     model: str
+    lora_slots: str = "off"
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> GroupIdentity:
@@ -48,8 +51,10 @@ class GroupIdentity:
         kept = {k: v for k, v in config.items()
                 if not k.startswith("_") and k != "transformers_version"}
         digest = hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
+        lora = (f"{args.max_loras} slots of rank {args.max_lora_rank}" if args.enable_lora
+                else "off")
         return cls(args.tensor_parallel_size, digest, args.block_size, args.dtype or "auto",
-                   torch.device(args.device).type, args.served_name())
+                   torch.device(args.device).type, args.served_name(), lora)
 
     def differences(self, other: GroupIdentity, rank: int) -> list[str]:
         """`flag: rank R has mine, rank 0 has other's` for each setting that differs."""
@@ -79,7 +84,7 @@ def check_identity(store: Store, args: EngineArgs, rank: int) -> None:
     if differences:
         message = (f"tensor-parallel rank {rank} does not match rank 0 ({'; '.join(differences)}"
                    "): start every node with the same --model, --tensor-parallel-size, "
-                   "--block-size, --dtype and --device")
+                   "--block-size, --dtype, --device and LoRA flags")
         store.set(REFUSED_KEY, message)
         raise TensorParallelError(message)
 

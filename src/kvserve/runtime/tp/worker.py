@@ -3,8 +3,9 @@
 Started by rank 0 (or torchrun, or `kvserve serve --node-rank k`) with RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT (and LOCAL_RANK) set and the engine arguments as JSON in
 KVSERVE_ENGINE_ARGS. It checks that its settings match rank 0's (tp_group_check), loads its
-shard, allocates the KV of its heads with as many blocks as rank 0 publishes, and runs the
-plans rank 0 broadcasts until told to stop; it exits when the process that started it does.
+shard, allocates the KV of its heads with as many blocks as rank 0 publishes (with LoRA, slots
+for its shard of the adapters too), and runs the plans rank 0 broadcasts until told to stop; it
+exits when the process that started it does.
 Exit 0 after a clean stop, 1 when the group failed or the parent is gone (the error is logged),
 2 for bad arguments or settings that differ from rank 0's.
 """
@@ -28,6 +29,7 @@ from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
 from kvserve.model.tensor_parallel import ShardSpec
 from kvserve.runtime.engine_args import EngineArgs
+from kvserve.runtime.lora_setup import rank_slots
 from kvserve.runtime.model_setup import load_rank_model, rank_device
 from kvserve.runtime.tp.comm import (
     HEARTBEAT_INTERVAL_S,
@@ -68,13 +70,14 @@ def run_rank(args: EngineArgs, rank: int, world_size: int, local_rank: int, mast
                                    dtype=loaded.dtype, device=loaded.device)
     runner = ModelRunner(loaded.model, kv_caches, args.block_size,
                          Sampler(args.seed, loaded.device))
+    adapters = rank_slots(args, loaded) if args.enable_lora else None
     store.set(READY_KEY.format(rank=rank), "1")
     comm = Communicator(store, rank, world_size, timeout_s=args.collective_timeout_s,
                         device=loaded.device)
     loaded.model.set_all_reduce(comm.all_reduce)
     Heartbeat(master_addr, master_port, comm)
     try:
-        serve_rank(comm, runner, Fault.from_env())
+        serve_rank(comm, runner, Fault.from_env(), adapters)
     except TensorParallelError as exc:
         log.error("rank %d stops: %s", rank, exc)
         return 1
