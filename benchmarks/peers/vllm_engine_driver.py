@@ -29,7 +29,6 @@ Contract:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
 import json
 import os
@@ -37,6 +36,8 @@ import sys
 import time
 import traceback
 from typing import Any
+
+from driver_output import print_result  # this folder (the driver runs as a script)
 
 GIB = 1 << 30
 
@@ -125,23 +126,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--spec", required=True, help="JSON file: model, sizes and workloads")
     args = parser.parse_args(argv)
-    stdout = sys.stdout
-    try:
+
+    def produce() -> dict[str, Any]:
         with open(args.spec, encoding="utf-8") as f:
             spec = json.load(f)
         configure_env(spec)
-        with contextlib.redirect_stdout(sys.stderr):
-            result = run(spec)
-    except (ImportError, OSError, ValueError, KeyError) as exc:  # no peer, bad spec
-        traceback.print_exc()
-        print(f"vllm_engine_driver: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    except Exception:  # a vLLM API change or a bug: keep the traceback
-        traceback.print_exc()
-        return 1
-    stdout.write(json.dumps(result) + "\n")
-    stdout.flush()
-    return 0
+        return run(spec)
+
+    return print_result("vllm_engine_driver", produce)
 
 
 if __name__ == "__main__":
