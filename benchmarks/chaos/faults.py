@@ -1,7 +1,8 @@
 """The fault classes, each an inject and a recover step on the live fleet, with what must
 follow: the alerts that must fire (`must`), those that may (`may`: consequences of the fault,
 such as a scrape failing while a worker is down), and the doctor's problem that names it (None:
-the fault is one the fleet absorbs, and the doctor must find nothing above info)."""
+the fault is one the fleet absorbs, and the doctor must find nothing above info), with the
+problems of any second detector of the very same fault (`also`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ HOOKS = {"KVSERVE_TEST_HOOKS": "1"}
 # Late enough that the restarted worker was scraped at 0 first: a counter first seen at 1
 # is no increase to Prometheus, and the alert would never fire.
 CORRUPT = {**HOOKS, "KVSERVE_KV_FAULT": "reassign:150"}
+# A reassigned block is also a stale hash to the worker's periodic audit when one runs while
+# the block is in the cache: the same planted fault seen by the second check, not another one.
+AUDIT_ALERTS = frozenset({"KVServeAuditFailure"})
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,7 @@ class Fault:
     must: frozenset[str] = frozenset()
     may: frozenset[str] = frozenset()
     doctor: str | None = None
+    also: frozenset[str] = frozenset()  # another check's name for the same fault
     target: int | None = None  # the worker it always hits (else the run's turn)
     busy: bool = False  # it shows only on a worker with requests: send it some directly
     available: Callable[[Fleet], str | None] = lambda fleet: None  # why not, if it cannot run
@@ -155,8 +160,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in [
     Fault("corruption", "a block in use reassigned under a live request (the worker restarted "
           "gracefully with KVSERVE_KV_FAULT=reassign:150; recovered by a plain restart)",
           lambda f, i: _restart(f, i, CORRUPT), lambda f, i: _restart(f, i), 30.0,
-          must=frozenset({"KVServeCacheCorruption"}), may=RESTART_ALERTS,
-          doctor="corruption", busy=True),
+          must=frozenset({"KVServeCacheCorruption"}), may=RESTART_ALERTS | AUDIT_ALERTS,
+          doctor="corruption", also=frozenset({"audit"}), busy=True),
     Fault("disk_full", "worker0's disk-tier filesystem (a tmpfs) filled up, then emptied",
           _fill, _unfill, 30.0, target=0, available=_has_disk, busy=True),
     Fault("tp_stall", "rank 1 of the tensor-parallel worker stalls 0.1 s before each step "

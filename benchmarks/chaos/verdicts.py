@@ -147,8 +147,9 @@ def judge(out: Path) -> dict[str, Any]:
             "named": fault.doctor is None or fault.doctor in during,
             "name_s": (f["doctor_during"]["ended"] - f["inject"]
                        if fault.doctor in during else None),
-            "others_ruled_out": during <= ({fault.doctor} if fault.doctor else set())
-            | CONSEQUENCES and after <= STICKY.get(f["fault"], set()) | CONSEQUENCES,
+            "others_ruled_out": (
+                during <= ({fault.doctor} if fault.doctor else set()) | fault.also | CONSEQUENCES
+                and after <= STICKY.get(f["fault"], set()) | CONSEQUENCES),
             "recover_s": None if f["recovered"] is None else f["recovered"] - f["recover"],
             "affected": dict(Counter(r["outcome"] for r in affected)),
             "quiet_clean": f["quiet"]["clean"], "recover_error": f["recover_error"],

@@ -29,7 +29,7 @@ FAULT = {"fault": "worker_stop", "what": "planted", "target": 0, "inject": T0 + 
 
 
 def plant(out: Path, corruption_at: int | None = None, lost: bool = False,
-          fault: dict[str, Any] | None = None) -> None:
+          fault: dict[str, Any] | None = None, audit_at: int | None = None) -> None:
     out.mkdir()
     times = [T0 + i * STEP for i in range(SCRAPES)]
     labels = 'instance="worker0",job="kvserve-worker"'
@@ -39,8 +39,10 @@ def plant(out: Path, corruption_at: int | None = None, lost: bool = False,
             scrapes.append({f"up{{{labels}}}": 0.0})
             continue
         corrupt = 1.0 if corruption_at is not None and i >= corruption_at else 0.0
+        audits = 1.0 if audit_at is not None and i >= audit_at else 0.0
         scrapes.append({f"up{{{labels}}}": 1.0,
-                        f"kvserve:kv_corruption_detections_total{{{labels}}}": corrupt})
+                        f"kvserve:kv_corruption_detections_total{{{labels}}}": corrupt,
+                        f"kvserve:kv_audit_failures_total{{{labels}}}": audits})
     (out / "series.json").write_text(json.dumps(
         {"times": times, "series": {"worker0": ["kvserve-worker", scrapes]}}))
     run = {"config": {"interval_s": STEP, "settle_s": 5.0, "warmup_s": 10.0},
@@ -85,6 +87,31 @@ def test_a_fault_whose_alert_never_fired_fails_the_run(tmp_path: Path) -> None:
     result = judge(tmp_path / "run")
     assert result["faults"][0]["missing_alerts"] == ["KVServeCacheCorruption"]
     assert result["verdicts"]["alerts_fired"] is False
+
+
+def _named(fault: str, *problems: str) -> dict[str, Any]:
+    return {**FAULT, "fault": fault, "doctor_during": {
+        **FAULT["doctor_during"], "problems": {p: ["w0"] for p in problems}}}
+
+
+def test_a_planted_corruption_also_caught_by_the_audit_is_one_fault(tmp_path: Path) -> None:
+    """The audit is a second detector of a reassigned block (a stale hash): its alert and the
+    doctor's "audit" belong to the corruption's window, not to a fault nobody injected."""
+    plant(tmp_path / "run", fault=_named("corruption", "corruption", "audit"),
+          corruption_at=80, audit_at=80)
+    result = judge(tmp_path / "run")
+    (fault,) = result["faults"]
+    assert {"KVServeCacheCorruption", "KVServeAuditFailure"} <= set(fault["alerts"])
+    assert fault["others_ruled_out"] and not result["unexplained_alerts"]
+    assert result["verdicts"] == {k: True for k in result["verdicts"]}, result["verdicts"]
+
+
+def test_an_audit_failure_during_another_fault_is_not_explained_by_it(tmp_path: Path) -> None:
+    plant(tmp_path / "run", fault=_named("worker_stop", "down", "audit"), audit_at=80)
+    result = judge(tmp_path / "run")
+    assert [s["alert"] for s in result["unexplained_alerts"]] == ["KVServeAuditFailure"]
+    assert result["faults"][0]["others_ruled_out"] is False
+    assert not result["verdicts"]["doctor_named"]
 
 
 def test_promtools_eval_times_read_in_minutes() -> None:
