@@ -156,7 +156,7 @@ def markdown(run: dict[str, Any], result: dict[str, Any]) -> str:
                      f"{g['rss_mib_first']:.0f}→{g['rss_mib_last']:.0f} | "
                      f"{g['fds_first']:.0f}→{g['fds_last']:.0f} | "
                      f"{g['threads_first']:.0f}→{g['threads_last']:.0f} | "
-                     f"{'yes' if g['ok'] else '**NO**'} |")
+                     f"{('yes' if g['ok'] else '**NO**') if g['judged'] else 'too short'} |")
     lines += ["", "![timeline](chaos_timeline.png)", "![processes](chaos_processes.png)",
               "![blocks](chaos_blocks.png)", ""]
     return "\n".join(lines)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from benchmarks.chaos.alerts import eval_minutes
-from benchmarks.chaos.verdicts import judge
+from benchmarks.chaos.verdicts import growth, judge
 
 T0 = 1_000_000.0
 STEP = 5.0
@@ -20,7 +20,8 @@ SCRAPES = 100
 # worker0 does not answer its scrapes here: past an hour of rule time, where promtool writes
 # eval times as `1h12m` (read as 12 minutes, the alert landed an hour early, unexplained)
 DOWN = range(70, 78)
-FAULT = {"fault": "worker_stop", "what": "planted", "target": 0, "inject": T0 + 70 * STEP,
+FAULT: dict[str, Any] = {
+         "fault": "worker_stop", "what": "planted", "target": 0, "inject": T0 + 70 * STEP,
          "inject_error": None, "recover": T0 + 78 * STEP, "recovered": T0 + 78.5 * STEP,
          "recover_error": None, "end": T0 + 82 * STEP,
          "doctor_during": {"t": 0, "ended": T0 + 74 * STEP, "problems": {"down": ["w0"]}},
@@ -112,6 +113,29 @@ def test_an_audit_failure_during_another_fault_is_not_explained_by_it(tmp_path: 
     assert [s["alert"] for s in result["unexplained_alerts"]] == ["KVServeAuditFailure"]
     assert result["faults"][0]["others_ruled_out"] is False
     assert not result["verdicts"]["doctor_named"]
+
+
+def _life(proc: str, start: float, minutes: float,
+          rss: tuple[float, float]) -> list[dict[str, Any]]:
+    """One incarnation sampled every 5 s: RSS steps from rss[0] to rss[1] halfway through."""
+    n = int(minutes * 12)
+    return [{"proc": proc, "t": start + 5.0 * k, "alive": True, "fds": 30, "threads": 20,
+             "rss_mib": rss[0] if k < n // 2 else rss[1]} for k in range(n)]
+
+
+def test_growth_is_judged_over_lives_long_enough_to_show_a_drift() -> None:
+    """A worker restarted late grows while load first reaches it (warm-up, too short to judge);
+    a long-lived process that grows past the bound fails."""
+    rows = (_life("gateway0", 0.0, 40, (80, 81))
+            + _life("worker2", 0.0, 20, (700, 710)) + [
+                {"proc": "worker2", "t": 1201.0, "alive": False}]
+            + _life("worker2", 1300.0, 3, (722, 795)))
+    by = {(g["proc"], g["incarnation"]): g for g in growth(rows, 0.0)}
+    assert by[("gateway0", 1)]["judged"] and by[("gateway0", 1)]["ok"]
+    assert by[("worker2", 1)]["judged"] and by[("worker2", 1)]["ok"]
+    assert not by[("worker2", 2)]["judged"] and not by[("worker2", 2)]["ok"]
+    leaking = growth(_life("gateway0", 0.0, 40, (80, 200)), 0.0)
+    assert leaking[0]["judged"] and not leaking[0]["ok"]
 
 
 def test_promtools_eval_times_read_in_minutes() -> None:

@@ -49,7 +49,8 @@ def test_adapter_thrashing_is_named_and_prefix_thrashing_is_not() -> None:
 def test_prefix_thrashing_is_not_adapter_thrashing() -> None:
     first = with_lora(worker_metrics(allocated=1000, evicted=900, queries=10_000, hits=100),
                       loads={"fin": 5}, waiting_for_slot=0, running="fin", waiting="")
-    second = with_lora(worker_metrics(allocated=1100, evicted=990, queries=11_000, hits=105),
+    second = with_lora(worker_metrics(allocated=1100, evicted=990, queries=11_000, hits=105,
+                                      finished=20),
                        loads={"fin": 5}, waiting_for_slot=0, running="fin", waiting="")
     report = diagnose([observation(W0, first, second)])
     assert problems(report, Problem.THRASHING)

@@ -16,7 +16,7 @@ def worker_metrics(*, held: float = 0, running: float = 0, waiting: float = 0, l
                    queries: float = 0, hits: float = 0, corruption: float = 0,
                    reclaimed: float = 0, audit_failures: float = 0, preemptions: float = 0,
                    rejected: float = 0, blocks: int = 512, block_size: int = 16,
-                   tenants: dict[str, float] | None = None) -> Metrics:
+                   tenants: dict[str, float] | None = None, finished: float = 0) -> Metrics:
     m = 'model_name="m"'
     lines = [
         f"vllm:num_requests_running{{{m}}} {running}",
@@ -25,6 +25,7 @@ def worker_metrics(*, held: float = 0, running: float = 0, waiting: float = 0, l
         f"vllm:prefix_cache_queries_total{{{m}}} {queries}",
         f"vllm:prefix_cache_hits_total{{{m}}} {hits}",
         f"vllm:num_preemptions_total{{{m}}} {preemptions}",
+        f"vllm:request_prompt_tokens_count{{{m}}} {finished}",
         f'vllm:cache_config_info{{block_size="{block_size}",num_gpu_blocks="{blocks}",'
         'enable_prefix_caching="True"} 1',
         f"kvserve:kv_blocks{{{m}}} {blocks}",
@@ -121,9 +122,24 @@ def test_reclaimed_blocks_and_corruption() -> None:
 
 def test_evicting_while_nothing_hits_is_thrashing() -> None:
     first = worker_metrics(allocated=100, evicted=50, queries=1_000, hits=10, blocks=48)
-    second = worker_metrics(allocated=200, evicted=140, queries=2_000, hits=20, blocks=48)
+    second = worker_metrics(allocated=200, evicted=140, queries=2_000, hits=20, blocks=48,
+                            finished=8)
     (finding,) = problems(diagnose([observation(W0, first, second)]), Problem.THRASHING)
     assert "evicted 90 cached blocks" in finding.evidence[0]
+
+
+def test_one_new_prompt_in_a_window_is_not_thrashing() -> None:
+    """A lone request with a new prompt misses and evicts: too few to judge the window by,
+    and a cache that hit 70% over its life is not thrashing (the chaos soak's false alarms)."""
+    first = worker_metrics(allocated=1_000, evicted=300, queries=10_000, hits=7_000)
+    for finished in (1, 3):
+        second = worker_metrics(allocated=1_010, evicted=309, queries=10_150, hits=7_000,
+                                finished=finished)
+        assert not problems(diagnose([observation(W0, first, second)]), Problem.THRASHING)
+    second = worker_metrics(allocated=1_100, evicted=390, queries=11_500, hits=7_000,
+                            finished=8)  # eight prompts, none hitting: the collapse is real
+    (finding,) = problems(diagnose([observation(W0, first, second)]), Problem.THRASHING)
+    assert any("down from 61%" in e for e in finding.evidence)
 
 
 def test_block_size_mismatch_and_tiny_kv_cache() -> None:

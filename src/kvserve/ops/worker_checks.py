@@ -20,6 +20,9 @@ CORRUPTION_KINDS = frozenset({"epoch_mismatch", "stale_hash", "hash_map_mismatch
                               "duplicate_in_table"})
 MAX_LISTED = 10
 THRASH_HIT_RATE = 0.2  # below this (window) while evicting: the working set does not fit
+# Requests finished in the window below which its hit rate is one prompt's luck, not the
+# cache's state: a lone new prompt evicts and misses (the chaos soak's false alarms, 2 of 66).
+MIN_WINDOW_REQUESTS = 4
 QUEUE_WARN = 8  # requests waiting in both snapshots
 KV_FULL = 0.95  # KV usage in both snapshots that, with requests waiting, names saturation
 TINY_KV_REQUESTS = 4  # warn when fewer max-length requests than this fit in the KV cache
@@ -191,11 +194,14 @@ def hit_rates(obs: Observation) -> tuple[float | None, float | None]:
 
 
 def check_thrashing(obs: Observation) -> list[Finding]:
-    """Evicting cached blocks fast while almost nothing hits, or a hit rate that collapsed."""
+    """Evicting cached blocks fast while almost nothing hits, or a hit rate that collapsed;
+    a window counts only with MIN_WINDOW_REQUESTS finished in it, else the life so far."""
     b = obs.second.metrics
     assert b is not None
     dt = obs.interval_s
     window_rate, life_rate = hit_rates(obs)
+    if delta(obs, "vllm:request_prompt_tokens_count") < MIN_WINDOW_REQUESTS:
+        window_rate = None  # too few requests: judge by the whole life only
     blocks = b.value("kvserve:kv_blocks") or float(vllm_checks.num_blocks(b) or 0)
     evicted = delta(obs, "kvserve:kv_evicted_blocks_total")
     allocated = delta(obs, "kvserve:kv_allocated_blocks_total")
