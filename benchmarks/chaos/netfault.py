@@ -4,10 +4,12 @@ exactly those two. `delay_s` adds latency to every chunk each way; `partition` b
 link (new connections are accepted and hang, bytes in flight are held: a silent network, not a
 refusal); `cut` resets every open connection once (a dropped link: what was in flight is lost).
 
-Why not network namespaces and `tc netem`: they work here as root, but a worker inside a
-namespace must be reached through a veth pair from every other process of the fleet, and netem
-on the shared loopback would slow every other user of this machine; a proxy confines the fault
-to one link. (`ip netns add` was checked to work: see docs/benchmarks.md.)
+Why not network namespaces and `tc netem` (the issue's first choice): this machine's kernel has
+no netem (`# CONFIG_NET_SCH_NETEM is not set`, no /lib/modules; `tc qdisc add dev lo root netem
+delay 10ms` in a fresh namespace: "Specified qdisc kind is unknown"), and no iptables or nft
+binary for a silent drop; namespaces alone work (as root) but cannot delay or blackhole. A proxy
+also confines the fault to exactly one link, which netem on a worker's veth would not (the
+harness's own scrapes would cross it too).
 """
 
 from __future__ import annotations
