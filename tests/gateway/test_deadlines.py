@@ -198,8 +198,15 @@ def test_lateness_is_the_workers_time_not_the_wait_for_admission() -> None:
     from kvserve.gateway.core.lifecycle import Dispatch, Ledger
     from kvserve.gateway.core.pipeline import RoundRobinPolicy, RouteRequest
 
+    class NoCounts(Ledger):  # lateness reads no counts
+        def count_sent(self, worker_id: str) -> None: ...
+
+        def count_ended(self, worker_id: str, finished: bool) -> None: ...
+
+        def add_backlog(self, worker_id: str, tokens: int) -> None: ...
+
     def dispatch(timeout_s: float | None, ttft_target_s: float | None) -> Dispatch:
-        return Dispatch(RoundRobinPolicy(), Ledger(), RouteRequest(()), started=0.0,
+        return Dispatch(RoundRobinPolicy(), NoCounts(), RouteRequest(()), started=0.0,
                         admitted=5.0, deadline=timeout_s, ttft_target_s=ttft_target_s)
 
     # A 10 s client that waited 5 s for admission: the workers had 5 s, and 3/4 of that is

@@ -13,6 +13,7 @@ simulator's tables).
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -45,39 +46,44 @@ class Hold(Protocol):
     def release(self) -> None: ...
 
 
-class Ledger:
+class Ledger(ABC):
     """Per-worker counts a dispatch keeps, and the metrics it reports. The counts are the
-    subclass's to store; the `record_*` hooks do nothing unless overridden (the simulator keeps
-    no metrics or health)."""
+    subclass's to store (one that does not cannot be built); the `record_*` hooks do nothing
+    unless overridden (the simulator keeps no metrics or health)."""
 
+    @abstractmethod
     def count_sent(self, worker_id: str) -> None:
         """A request is now open on the worker (in flight + 1)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def count_ended(self, worker_id: str, finished: bool) -> None:
         """A request open on the worker ended (in flight - 1); `finished`: its answer was read
         to the end or never started, else the worker may count it until it sees the
         disconnect."""
-        raise NotImplementedError
 
+    @abstractmethod
     def add_backlog(self, worker_id: str, tokens: int) -> None:
         """Prompt tokens of prefill ahead on the worker (negative: handed back)."""
-        raise NotImplementedError
 
     def record_added_latency(self, seconds: float) -> None:
         """From arrival to the first send: what the gateway itself added."""
+        return
 
     def record_routed(self, worker_id: str, branch: str) -> None:
         """A decision counted by branch (a prefill worker's, at pick time)."""
+        return
 
     def record_answer(self, worker_id: str, branch: str, predicted_hit_blocks: int) -> None:
         """The worker answered (not with backpressure)."""
+        return
 
     def record_backpressure(self, worker_id: str) -> None:
         """The worker answered 429/503."""
+        return
 
     def record_retry(self, reason: str) -> None:
         """The request is sent again, to another worker."""
+        return
 
 
 class Dispatch:
