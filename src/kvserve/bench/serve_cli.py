@@ -1,8 +1,10 @@
 """`kvserve bench serve`: online latency and throughput of OpenAI-compatible servers, side by side.
 
 Benchmarks servers already running (URL arguments) and/or servers it launches itself
-(`--launch kvserve,vllm`), one at a time: launch, wait for /health, measure every concurrency,
-stop, then the next, so two servers never share the CPU. Every server gets the same prompts.
+(`--launch kvserve,vllm`, each entry NAME[:MODE], e.g. `kvserve:q4_1`: launch_target.py), one at a
+time: launch, wait for /health, measure every concurrency, stop, then the next, so two servers
+never share the CPU. Every server gets the same prompts. While a launched server is measured,
+the resident memory of its process tree is sampled (proc_memory.py): after start and peak.
 Per concurrency: untimed warm-up requests (other prompts, same concurrency), then the timed
 closed-loop run of `--num-prompts` requests; each concurrency level has its own prompts, so no
 level hits the prefix cache warmed by another. What is timed: serve_load.py.
@@ -20,10 +22,12 @@ from typing import Any
 import httpx
 from rich.console import Console
 
+from kvserve.bench.launch_target import CHOICES, LaunchTarget, parse_launch
+from kvserve.bench.proc_memory import TreeRssSampler
 from kvserve.bench.serve_load import LevelSummary, completion_body, run_closed_loop
 from kvserve.bench.serve_prompts import PromptBuilder, PromptSpec
-from kvserve.bench.serve_report import ServerRun, json_rows, print_table
-from kvserve.bench.server_launch import SERVERS, LaunchedServer, LaunchError, LaunchSpec
+from kvserve.bench.serve_report import ServerRun, json_rows, print_table, rss_text
+from kvserve.bench.server_launch import LaunchedServer, LaunchError, LaunchSpec
 
 WARMUP_MAX_TOKENS = 16
 
@@ -35,8 +39,11 @@ class ServerFailed(Exception):
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="online TTFT, ITL and throughput of OpenAI servers")
     p.add_argument("urls", nargs="*", metavar="URL", help="base URL of a running server")
-    p.add_argument("--launch", default="", metavar="S[,S]",
-                   help=f"servers to launch one after another: {','.join(SERVERS)}")
+    p.add_argument("--launch", default="", metavar="NAME[:MODE],...",
+                   help=f"servers to launch one after another, each NAME[:MODE]: {CHOICES}. "
+                        "Modes: float32 (the default), bfloat16, q8_0/q4_1 (the float32 "
+                        "weights packed at load), gguf (kvserve serves the --gguf file's own "
+                        "blocks); a name may repeat with other modes")
     p.add_argument("--model", default="tiny",
                    help="tiny, 100m (random weights, cached) or a checkpoint dir: the model "
                         "launched, and the tokenizer prompts are built with")
@@ -59,19 +66,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     g.add_argument("--threads", type=int, default=2, help="compute threads per server")
     g.add_argument("--vllm-eager", action="store_true", help="start vLLM with --enforce-eager")
     g.add_argument("--gguf", type=Path, default=None, metavar="FILE",
-                   help="the same model as a GGUF file, for llama.cpp's server (--launch llamacpp)")
+                   help="the same model as a GGUF file, for llama.cpp's server and kvserve:gguf")
     g.add_argument("--startup-timeout", type=float, default=600.0, help="seconds to /health")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="one JSON object per server x concurrency")
     p.set_defaults(func=run)
-
-
-def parse_launch(value: str) -> list[str]:
-    names = [n.strip().lower() for n in value.split(",") if n.strip()]
-    unknown = [n for n in names if n not in SERVERS]
-    if unknown:
-        raise ValueError(f"--launch {','.join(unknown)}: choose from {', '.join(SERVERS)}")
-    return list(dict.fromkeys(names))
 
 
 def served_model(url: str, explicit: str | None) -> str:
@@ -130,17 +129,25 @@ def bench_url(url: str, workload: Workload, args: argparse.Namespace, err: Conso
     return run
 
 
-def bench_launched(name: str, spec: LaunchSpec, workload: Workload, args: argparse.Namespace,
-                   log_dir: Path, err: Console) -> ServerRun:
+def bench_launched(target: LaunchTarget, spec: LaunchSpec, workload: Workload,
+                   args: argparse.Namespace, log_dir: Path, err: Console) -> ServerRun:
+    """Launch `target`, measure every level with its process tree's RSS sampled from health to
+    the last level (`run.info`: startup_s, start_rss_mib, peak_rss_mib), stop it; a launch or
+    server failure marks the run skipped."""
+    name = target.label
     run = ServerRun(label=name)
-    server = LaunchedServer(name, spec, log_dir, args.startup_timeout)
+    server = LaunchedServer(target, spec, log_dir, args.startup_timeout)
     err.print(f"[dim]{name}: starting on {server.url} …[/]", highlight=False)
     try:
         with server:
             run.url = server.url
             run.info = {"startup_s": round(server.startup_s, 1)}
             err.print(f"[dim]{name}: healthy after {server.startup_s:.0f} s[/]")
-            measure(run, spec.served_model_name, workload, args, err)
+            assert server.pid is not None  # started
+            with TreeRssSampler(server.pid) as rss:
+                measure(run, spec.served_model_name, workload, args, err)
+            run.info |= rss.mib()
+            err.print(f"[dim]{name}: {rss_text(run)}[/]", highlight=False)
     except (LaunchError, ServerFailed, httpx.HTTPError) as exc:
         run.skipped, run.levels = str(exc), []
         tail = server.log_tail()
@@ -157,6 +164,10 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("give the URL of a running server, or --launch kvserve,vllm")
         if min(args.concurrency) < 1 or args.output_len < 1 or args.threads < 1:
             raise ValueError("--concurrency, --output-len and --threads must be at least 1")
+        needs_gguf = [t.label for t in launches if t.reads_gguf]
+        if needs_gguf and args.gguf is None:
+            raise ValueError(f"--launch {','.join(needs_gguf)} reads a GGUF file: pass --gguf "
+                             "FILE (the same model as a .gguf)")
         if launches and args.input_len + args.output_len > args.max_model_len:
             raise ValueError(f"--input-len + --output-len exceeds --max-model-len "
                              f"{args.max_model_len}")
@@ -178,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
                       gguf_file=None if args.gguf is None else args.gguf.resolve())
     runs = [bench_url(u, workload, args, err) for u in args.urls]
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-serve-") as tmp:
-        runs += [bench_launched(n, spec, workload, args, Path(tmp), err) for n in launches]
+        runs += [bench_launched(t, spec, workload, args, Path(tmp), err) for t in launches]
     if args.json:
         for row in json_rows(runs, args.concurrency, workload.describe()):
             print(json.dumps(row), flush=True)
@@ -187,6 +198,6 @@ def run(args: argparse.Namespace) -> int:
         print_table(runs, args.concurrency,
                     f"serving: {args.model}, {w['num_prompts']} prompts x {w['input_len']} in "
                     f"(shared prefix {w['prefix_len']}) / {w['output_len']} out, greedy; "
-                    f"launched: float32, {args.threads} threads, "
-                    f"{args.kv_cache_memory_bytes / 2**30:g} GiB KV")
+                    f"launched: {args.threads} threads, "
+                    f"{args.kv_cache_memory_bytes / 2**30:g} GiB KV, float32 unless NAME:MODE")
     return 0

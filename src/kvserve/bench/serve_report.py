@@ -1,13 +1,17 @@
 """Reporting for `kvserve bench serve`: the side-by-side table and the JSON lines.
 
 Ratios are always first measured server / other server (for `--launch kvserve,vllm`,
-kvserve/vLLM): below 1 is better for latencies, above 1 is better for throughputs.
+kvserve/vLLM): below 1 is better for latencies, above 1 is better for throughputs. A launched
+server's resident memory (its process tree's, MiB: after start and peak while measured) is a
+line under the table and two fields of each JSON row; servers given by URL have none ("-",
+null).
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +23,8 @@ from kvserve.bench.serve_load import LevelSummary
 
 @dataclass(slots=True)
 class ServerRun:
-    """One server's results, one summary per concurrency, or the reason it was skipped."""
+    """One server's results, one summary per concurrency, or the reason it was skipped;
+    `info` holds per-server figures (launched: startup_s, start_rss_mib, peak_rss_mib)."""
 
     label: str
     url: str | None = None
@@ -29,7 +34,7 @@ class ServerRun:
 
 
 # (column, getter): the metrics shown per server and compared in ratio rows.
-METRICS = (
+METRICS: tuple[tuple[str, Callable[[LevelSummary], float]], ...] = (
     ("TTFT p50 ms", lambda s: s.ttft_ms["p50"]),
     ("TTFT p99 ms", lambda s: s.ttft_ms["p99"]),
     ("ITL mean ms", lambda s: s.itl_ms["mean"]),
@@ -51,6 +56,9 @@ def ratios(ours: LevelSummary, peer: LevelSummary) -> dict[str, float]:
     return {k: ratio(get(ours), get(peer)) for k, (_, get) in zip(keys, METRICS, strict=True)}
 
 
+RSS_KEYS = ("start_rss_mib", "peak_rss_mib")  # in `ServerRun.info` of launched servers
+
+
 def json_rows(runs: list[ServerRun], concurrencies: list[int],
               workload: dict[str, Any]) -> list[dict[str, Any]]:
     """One object per server x concurrency; the first measured server's carry its ratios."""
@@ -62,7 +70,7 @@ def json_rows(runs: list[ServerRun], concurrencies: list[int],
             if run.skipped is not None:
                 rows.append(row | {"concurrency": c, "skipped": run.skipped})
                 continue
-            row |= run.levels[i].as_dict() | run.info
+            row |= run.levels[i].as_dict() | dict.fromkeys(RSS_KEYS) | run.info
             if measured and run is measured[0] and len(measured) > 1:
                 row["ratios_vs"] = {peer.label: ratios(run.levels[i], peer.levels[i])
                                     for peer in measured[1:]}
@@ -74,9 +82,18 @@ def _fmt(value: float, digits: int = 1) -> str:
     return "-" if math.isnan(value) else f"{value:,.{digits}f}"
 
 
+def rss_text(run: ServerRun) -> str:
+    """`RSS <start> MiB after start, peak <peak> MiB`; `RSS -` when not read (URL servers)."""
+    start, peak = (run.info.get(k) for k in RSS_KEYS)
+    if start is None or peak is None:
+        return "RSS -"
+    return f"RSS {start:,.0f} MiB after start, peak {peak:,.0f} MiB"
+
+
 def print_table(runs: list[ServerRun], concurrencies: list[int], title: str) -> None:
-    """Rows per concurrency: each measured server, then first/other ratios; then skips and
-    errors. chunks/tok: non-empty stream chunks per output token (1.00 = one chunk a token)."""
+    """Rows per concurrency: each measured server, then first/other ratios; then skips,
+    errors and each measured server's RSS. chunks/tok: non-empty stream chunks per output token
+    (1.00 = one chunk a token)."""
     table = Table(title=title)
     for col in ("conc", "server", "ok/sent", "chunks/tok", *(name for name, _ in METRICS)):
         table.add_column(col, justify="right")
@@ -102,4 +119,6 @@ def print_table(runs: list[ServerRun], concurrencies: list[int], title: str) -> 
                 for err in s.errors:
                     console.print(f"{run.label} c={s.concurrency}: {err}", soft_wrap=True,
                                   highlight=False)
+    for run in measured:
+        console.print(f"{run.label}: {rss_text(run)}", soft_wrap=True, highlight=False)
     sys.stdout.flush()

@@ -2,9 +2,10 @@
 
 Each server runs in its own process group on a free loopback port, its output going to a log
 file; `stop()` ends that group only. kvserve and vLLM get the same model directory, served model
-name, dtype (float32), KV cache budget in bytes, max_model_len, max_num_seqs,
-max_num_batched_tokens and compute threads, with prefix caching on; llama.cpp's server gets the
-same model as a GGUF file, the served name, the threads and the context length.
+name, KV cache budget in bytes, max_model_len, max_num_seqs, max_num_batched_tokens and compute
+threads, with prefix caching on, and the dtype and quantization of their LaunchTarget's mode
+(float32 by default; launch_target.py); llama.cpp's server, and kvserve in mode gguf, get the
+same model as a GGUF file (llama.cpp: with the served name, the threads and the context length).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from typing import Self, TypeVar
 
 import httpx
 
+# The server names live with the modes; imported from here by every launcher.
+from kvserve.bench.launch_target import KVSERVE as KVSERVE
+from kvserve.bench.launch_target import LLAMACPP as LLAMACPP
+from kvserve.bench.launch_target import SERVERS as SERVERS
+from kvserve.bench.launch_target import VLLM as VLLM
+from kvserve.bench.launch_target import LaunchTarget, precision_args
 from kvserve.bench.peers_env import llamacpp_python, missing_peer_message, vllm_python
 
-KVSERVE = "kvserve"
-VLLM = "vllm"
-LLAMACPP = "llamacpp"
-SERVERS = (KVSERVE, VLLM, LLAMACPP)
 LOG_TAIL_CHARS = 1500
 
 
@@ -80,36 +83,45 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def server_command(name: str, spec: LaunchSpec, port: int) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment that start server `name`; LaunchError if absent."""
+def server_command(target: LaunchTarget | str, spec: LaunchSpec, port: int
+                   ) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment that start `target` (a bare name: its default mode);
+    LaunchError if the server is absent, the name or mode unknown, or a GGUF file needed and
+    `spec.gguf_file` None."""
+    target = LaunchTarget(target) if isinstance(target, str) else target
+    problem = target.problem()
+    if problem is not None:
+        raise LaunchError(problem)
+    if target.reads_gguf and spec.gguf_file is None:
+        raise LaunchError(f"{target.label} reads GGUF files only: pass --gguf FILE (the same "
+                          "model as a .gguf)")
     env = dict(os.environ) | dict(spec.env)
-    common = ["--model", str(spec.model_dir), "--served-model-name", spec.served_model_name,
-              "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+    if target.name == LLAMACPP:
+        return _llamacpp_command(spec, port), env
+    model = spec.gguf_file if target.reads_gguf else spec.model_dir
+    common = ["--model", str(model), "--served-model-name", spec.served_model_name,
+              "--host", "127.0.0.1", "--port", str(port), *precision_args(target),
               "--max-model-len", str(spec.max_model_len),
               "--kv-cache-memory-bytes", str(spec.kv_cache_bytes),
               "--max-num-seqs", str(spec.max_num_seqs),
               "--max-num-batched-tokens", str(spec.max_num_batched_tokens)]
     if spec.block_size is not None:
         common += ["--block-size", str(spec.block_size)]
-    if name == KVSERVE:
+    if target.name == KVSERVE:
         return ([sys.executable, "-m", "kvserve.cli", "serve", *common,
                  "--num-threads", str(spec.num_threads), "--drain-timeout", "1",
                  *spec.extra_args], env)
-    if name == VLLM:
-        python = vllm_python()
-        if python is None:
-            raise LaunchError(missing_peer_message("vLLM", "KVSERVE_VLLM_PYTHON"))
-        env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
-        threads = spec.num_threads
-        bind = spec.cpus or ("0" if threads == 1 else f"0-{threads - 1}")
-        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
-        cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", *common,
-               "--enable-prefix-caching", "--seed", "0", "--disable-uvicorn-access-log"]
-        cmd += list(spec.extra_args)
-        return (cmd + ["--enforce-eager"] if spec.vllm_eager else cmd), env
-    if name == LLAMACPP:
-        return _llamacpp_command(spec, port), env
-    raise LaunchError(f"unknown server {name!r}; choose from {', '.join(SERVERS)}")
+    python = vllm_python()
+    if python is None:
+        raise LaunchError(missing_peer_message("vLLM", "KVSERVE_VLLM_PYTHON"))
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --kv-cache-memory-bytes
+    threads = spec.num_threads
+    bind = spec.cpus or ("0" if threads == 1 else f"0-{threads - 1}")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", *common,
+           "--enable-prefix-caching", "--seed", "0", "--disable-uvicorn-access-log"]
+    cmd += list(spec.extra_args)
+    return (cmd + ["--enforce-eager"] if spec.vllm_eager else cmd), env
 
 
 def _llamacpp_command(spec: LaunchSpec, port: int) -> list[str]:
@@ -118,9 +130,7 @@ def _llamacpp_command(spec: LaunchSpec, port: int) -> list[str]:
     python = llamacpp_python()
     if python is None:
         raise LaunchError(missing_peer_message("llama.cpp's server", "KVSERVE_LLAMACPP_PYTHON"))
-    if spec.gguf_file is None:
-        raise LaunchError("llama.cpp's server reads GGUF files only: pass --gguf FILE (the same "
-                          "model as a .gguf)")
+    assert spec.gguf_file is not None  # server_command checked it
     return [str(python), "-m", "llama_cpp.server", "--model", str(spec.gguf_file),
             "--model_alias", spec.served_model_name, "--host", "127.0.0.1", "--port", str(port),
             "--n_threads", str(spec.num_threads), "--n_threads_batch", str(spec.num_threads),
@@ -242,16 +252,19 @@ class ManagedProcess(ABC):
 
 
 class LaunchedServer(ManagedProcess):
-    """One OpenAI-compatible server (`name` in SERVERS) started from a LaunchSpec."""
+    """One OpenAI-compatible server started from a LaunchSpec: `target` is a LaunchTarget or
+    a bare name in SERVERS (its default mode); `name` is the target's label."""
 
-    def __init__(self, name: str, spec: LaunchSpec, log_dir: Path, startup_timeout_s: float):
-        super().__init__(name, log_dir, startup_timeout_s)
+    def __init__(self, target: LaunchTarget | str, spec: LaunchSpec, log_dir: Path,
+                 startup_timeout_s: float):
+        self.target = LaunchTarget(target) if isinstance(target, str) else target
+        super().__init__(self.target.label, log_dir, startup_timeout_s)
         self.spec = spec
-        if name == LLAMACPP:
+        if self.target.name == LLAMACPP:
             self.health_path = "/v1/models"  # llama-cpp-python's server has no /health
 
     def command(self) -> tuple[list[str], dict[str, str]]:
-        return server_command(self.name, self.spec, self.port)
+        return server_command(self.target, self.spec, self.port)
 
 
 def _signal_group(pgid: int, sig: signal.Signals) -> None:
