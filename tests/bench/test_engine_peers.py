@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvserve.bench.engine_cli import chosen_peers
-from kvserve.bench.engine_peers import vllm_system
+from kvserve.bench.engine_peers import exit_reason, vllm_system
 from kvserve.bench.peak_rss import reset_peak_rss, status_mib
 from kvserve.bench.peers_env import llamacpp_python
 from kvserve.cli import build_parser, main
@@ -174,6 +174,11 @@ def test_driver_peak_rss_counts_live_children(monkeypatch) -> None:
         child.wait()
 
 
+def test_a_silent_driver_crash_is_named() -> None:
+    assert exit_reason(-4) == "no output, killed by SIGILL"
+    assert exit_reason(3) == "no output, exit code 3"
+
+
 def test_driver_spec_and_prompt_checks_name_what_is_wrong(driver) -> None:
     spec = {"gguf": "m.gguf", "vocab_size": 10, "max_model_len": 64, "num_threads": 1,
             "repeats": 1, "workloads": [{"name": "w", "prompts": [[4]], "max_tokens": 2,
@@ -255,6 +260,9 @@ def test_llamacpp_driver_for_real_on_a_tiny_gguf(capsys, model_dir, tmp_path) ->
     code, cells, _ = bench(capsys, "--model", str(model_dir), "--peer", "llamacpp", "--gguf",
                            str(gguf), "--json")
     assert code == 0
+    if "SIGILL" in cells[0]["systems"]["llamacpp"].get("skipped", ""):
+        pytest.skip(f"{python} was built for instructions this CPU lacks (SIGILL): rebuild it "
+                    "with the CMAKE_ARGS docs/peers.md gives, without the ones this CPU lacks")
     for cell in cells:
         theirs = cell["systems"]["llamacpp"]
         assert "skipped" not in theirs, theirs.get("skipped")

@@ -85,7 +85,7 @@ def run_peer(system: str, driver_cmd: list[str], spec: dict[str, Any], num_workl
     payload = parse_payload(stdout) if code == 0 else None
     if payload is None or len(payload["results"]) != num_workloads:
         err.print(f"[yellow]{system} driver failed ({code}):[/]\n{tail}", soft_wrap=True)
-        last = tail.splitlines()[-1] if tail else "no output"
+        last = tail.splitlines()[-1] if tail else exit_reason(code)
         return [RunResult(system, skipped=f"driver failed: {last}") for _ in range(num_workloads)]
     shared = {k: v for k, v in payload.items() if k != "results"}
     runs = []
@@ -98,6 +98,15 @@ def run_peer(system: str, driver_cmd: list[str], spec: dict[str, Any], num_workl
         run.info |= shared
         runs.append(run)
     return runs
+
+
+def exit_reason(code: int) -> str:
+    """A silent driver's exit in words: the signal that killed it (SIGILL: the peer was built
+    for instructions this CPU lacks) or its exit code."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"no output, killed by {signal.Signals(-code).name}"
+    return f"no output, exit code {code}"
 
 
 def parse_payload(stdout: str) -> dict[str, Any] | None:

@@ -94,7 +94,10 @@ def print_table(cells: Sequence[Cell], title: str) -> None:
     for col in ("model", "workload", "system", "out tok/s", "TTFT mean ms", "TTFT p50 ms",
                 "TTFT p99 ms", "parity", "peak RSS MiB", "tok/s ratio", "TTFT p50 ratio",
                 "TTFT p99 ratio"):
-        table.add_column(col, justify="left" if col in ("model", "workload", "system") else "right")
+        left = col in ("model", "workload", "system")
+        # Workload and system names stay whole (e.g. "vllm:bfloat16"); a long model path wraps.
+        table.add_column(col, justify="left" if left else "right",
+                         no_wrap=col in ("workload", "system"))
     for cell in cells:
         data = cell.as_dict()
         for system, s in data["systems"].items():
