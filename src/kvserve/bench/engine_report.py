@@ -23,7 +23,8 @@ from kvserve.percentiles import percentile
 
 def summarize(result: RunResult, reference: RunResult | None) -> dict[str, Any]:
     """JSON-ready figures of one run; `parity_vs_kvserve` is the fraction of requests whose
-    tokens equal `reference`'s (kvserve's) exactly, None without a reference."""
+    tokens equal `reference`'s (kvserve's) exactly, None without a reference; `peak_rss_mib` as
+    the run measured it (RunResult)."""
     if result.skipped is not None:
         return {"skipped": result.skipped}
     parity = None
@@ -40,6 +41,7 @@ def summarize(result: RunResult, reference: RunResult | None) -> dict[str, Any]:
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p99_s": percentile(ttft, 99),
         "parity_vs_kvserve": parity,
+        "peak_rss_mib": result.peak_rss_mib,
         "info": result.info,
     }
 
@@ -90,14 +92,18 @@ def print_table(cells: Sequence[Cell], title: str) -> None:
     table = Table(title=title, caption="ratio = kvserve / peer: tok/s > 1 and TTFT < 1 favour "
                   "kvserve; parity = share of requests token-identical to kvserve's")
     for col in ("model", "workload", "system", "out tok/s", "TTFT mean ms", "TTFT p50 ms",
-                "TTFT p99 ms", "parity", "tok/s ratio", "TTFT p50 ratio", "TTFT p99 ratio"):
-        table.add_column(col, justify="left" if col in ("model", "workload", "system") else "right")
+                "TTFT p99 ms", "parity", "peak RSS MiB", "tok/s ratio", "TTFT p50 ratio",
+                "TTFT p99 ratio"):
+        left = col in ("model", "workload", "system")
+        # Workload and system names stay whole (e.g. "vllm:bfloat16"); a long model path wraps.
+        table.add_column(col, justify="left" if left else "right",
+                         no_wrap=col in ("workload", "system"))
     for cell in cells:
         data = cell.as_dict()
         for system, s in data["systems"].items():
             if "skipped" in s:
                 table.add_row(cell.model, cell.workload.name, system,
-                              f"skipped: {s['skipped']}"[:80], *["-"] * 7)
+                              f"skipped: {s['skipped']}"[:80], *["-"] * 8)
                 continue
             r = data["ratios_kvserve_over"].get(system)
             parity = s["parity_vs_kvserve"]
@@ -105,6 +111,7 @@ def print_table(cells: Sequence[Cell], title: str) -> None:
                 cell.model, cell.workload.name, system, f"{s['output_tok_per_s']:,.0f}",
                 _ms(s["ttft_mean_s"]), _ms(s["ttft_p50_s"]), _ms(s["ttft_p99_s"]),
                 "-" if parity is None or system == KVSERVE else f"{parity:.0%}",
+                "-" if s["peak_rss_mib"] is None else f"{s['peak_rss_mib']:,.0f}",
                 *(["-"] * 3 if r is None else [_x(r["output_tok_per_s"]), _x(r["ttft_p50"]),
                                                _x(r["ttft_p99"])]))
         table.add_section()

@@ -23,6 +23,7 @@ from kvserve.bench.engine_workloads import Workload
 KVSERVE = "kvserve"
 HF = "hf"
 VLLM = "vllm"
+LLAMACPP = "llamacpp"
 PRECISIONS = ("float32", "bfloat16", "q4_0", "q4_1", "q8_0")  # kvserve's modes (--precision)
 
 
@@ -37,7 +38,8 @@ class RunResult:
 
     `ttft_s[i]` and `output_token_ids[i]` belong to `workload.prompts[i]`. `seconds` is the timed
     wall time; `num_output_tokens` counts every generated token. A skipped run has `skipped` set
-    (the reason) and empty measurements.
+    (the reason) and empty measurements. `peak_rss_mib` is the peak resident memory of the
+    process(es) that ran it, as measured where it ran (None where it could not be read).
     """
 
     system: str
@@ -47,6 +49,7 @@ class RunResult:
     output_token_ids: list[list[int]] = field(default_factory=list)
     info: dict[str, Any] = field(default_factory=dict)
     skipped: str | None = None
+    peak_rss_mib: float | None = None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunResult:
@@ -54,7 +57,9 @@ class RunResult:
                    num_output_tokens=int(data["num_output_tokens"]),
                    ttft_s=[float(t) for t in data["ttft_s"]],
                    output_token_ids=[list(map(int, o)) for o in data["output_token_ids"]],
-                   info=dict(data.get("info", {})))
+                   info=dict(data.get("info", {})),
+                   peak_rss_mib=(None if data.get("peak_rss_mib") is None
+                                 else float(data["peak_rss_mib"])))
 
 
 def best_of(runs: Sequence[RunResult]) -> RunResult:

@@ -1,4 +1,5 @@
-"""Finding the peers (vLLM's CPU build, SGLang's router) that benchmarks measure side by side.
+"""Finding the peers (vLLM's CPU build, llama.cpp, SGLang's router) that benchmarks measure side
+by side.
 
 Peers live in their own virtual environments outside the repository (docs/peers.md). A
 benchmark asks for a peer's interpreter and skips the peer, saying why, when it is absent.
@@ -51,6 +52,16 @@ def vllm_unavailable(driver: Path | None) -> str | None:
                 "(benchmarks/peers), not the package; run this from a clone")
     if vllm_python() is None:
         return missing_peer_message("vLLM", "KVSERVE_VLLM_PYTHON")
+    return None
+
+
+def llamacpp_unavailable(driver: Path | None) -> str | None:
+    """Why llama.cpp cannot be measured through `driver` (a `peer_driver`), or None when it can."""
+    if driver is None:
+        return ("llama.cpp is not measured: its drivers ship with kvserve's repository "
+                "(benchmarks/peers), not the package; run this from a clone")
+    if llamacpp_python() is None:
+        return missing_peer_message("llama.cpp (llama-cpp-python)", "KVSERVE_LLAMACPP_PYTHON")
     return None
 
 
