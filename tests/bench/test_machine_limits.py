@@ -35,6 +35,21 @@ def test_measure_reports_positive_finite_limits_for_every_kernel() -> None:
         limits.gemm_gflops["float32"]["M=1"], limits.gemm_gflops["float32"]["M=16"])
 
 
+@pytest.mark.parametrize("has_onednn_bf16", [True, False])
+def test_bf16_is_measured_on_every_cpu_and_says_which_path(
+        has_onednn_bf16: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without AVX-512 BF16/BW or AMX oneDNN refuses a bf16 weight; the figure then comes from
+    # ATen's path, and the kernel note says kvserve runs float32 there.
+    import torch
+
+    if has_onednn_bf16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU lacks oneDNN's bf16 instructions (AVX-512 BF16/BW or AMX)")
+    monkeypatch.setattr("kvserve.bench.machine.onednn_bf16", lambda: has_onednn_bf16)
+    limits = measure(threads=1, repeats=1, bandwidth_bytes=16 << 20)
+    assert all(v > 0 for v in limits.gemm_gflops["bfloat16"].values())
+    assert ("runs float32 here" in limits.kernels["bfloat16"]) is not has_onednn_bf16
+
+
 def test_bytes_per_token_follow_the_weight_formats() -> None:
     layers, head = matmul_params(SMOLLM2)
     # SmolLM2-135M: 30 layers of q/k/v/o (576x576 x2, 576x192 x2) and a 576x1536 MLP.

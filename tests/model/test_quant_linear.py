@@ -96,6 +96,19 @@ def test_auto_without_kvserves_kernels_takes_torchs_int4_op() -> None:
     torch.testing.assert_close(layer(x), x @ dequantize(q5).t(), rtol=1e-5, atol=1e-5)
 
 
+def test_rows_torchs_int4_op_cannot_pack_run_dequantized() -> None:
+    # torch packs output rows in groups of 16; a tiny model's 40-row weight (or a vocabulary
+    # like 1000 + 8) must still load on a CPU without kvserve's kernels.
+    odd = _weight("Q8_0", out=40)
+    with cpu_kernels.disabled():
+        layer = make_quantized_linear(odd)
+    assert isinstance(layer, DequantizedLinear)
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(layer(x), x @ dequantize(odd).t(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"multiples of 16.*'auto' or 'portable'"):
+        make_quantized_linear(odd, kernel="torch_int4")
+
+
 def test_bad_blocks_are_refused_with_the_fix() -> None:
     good = _weight("Q4_1")
     with pytest.raises(ValueError, match="take 80 bytes"):
@@ -134,7 +147,10 @@ def test_a_packed_model_gives_the_dequantized_models_logits(
     config = packed.model.config
     ids = torch.randint(4, config.vocab_size, (21,), generator=torch.Generator().manual_seed(3))
     got, want = _logits(packed.model, config, ids), _logits(reference.model, config, ids)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # "auto" on a CPU without kvserve's kernels is torch's int4 op: activations rounded to bf16.
+    bf16 = kernel == "auto" and not cpu_kernels.available()
+    rtol, atol = (5e-2, 0.25) if bf16 else (1e-4, 1e-4)
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
     layer = packed.model.model.layers[0]
     assert layer.self_attn.q_proj.weight.numel() == layer.mlp.down_proj.weight.numel() == 0
 

@@ -78,6 +78,10 @@ def _gemm(dtype: str, m: int, n: int, k: int, repeats: int) -> float:
         a = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen)  # [M, K]
         b = torch.randint(-128, 128, (k, n), dtype=torch.int8, generator=gen)  # [K, N]
         seconds = _best_seconds(lambda: torch._int_mm(a, b), repeats)
+    elif dtype == "bfloat16" and not onednn_bf16():
+        x = torch.randn(m, k, generator=gen).bfloat16()  # [M, K]
+        w = torch.randn(n, k, generator=gen).bfloat16()  # [N, K]
+        seconds = _best_seconds(lambda: torch.nn.functional.linear(x, w), repeats)
     else:
         tdt = getattr(torch, dtype)
         x = torch.randn(m, k, generator=gen).to(tdt)  # [M, K]
@@ -86,6 +90,18 @@ def _gemm(dtype: str, m: int, n: int, k: int, repeats: int) -> float:
         seconds = _best_seconds(
             lambda: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), repeats)
     return 2 * m * n * k / seconds / 1e9
+
+
+def onednn_bf16() -> bool:
+    """Whether oneDNN multiplies bf16 on this CPU (AVX-512 BF16/BW or AMX); elsewhere it
+    refuses to pack a bf16 weight, and kvserve's `--dtype bfloat16` runs float32."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+BF16_FALLBACK = ("F.linear bf16 (ATen's path: this CPU lacks oneDNN's bf16 instructions, so "
+                 "kvserve's --dtype bfloat16 runs float32 here)")
 
 
 def _cpu_name() -> str:
@@ -107,6 +123,8 @@ def measure(threads: int, repeats: int = 3,
     from kvserve.bench.engine_systems import torch_threads
 
     limits = MachineLimits(threads=threads, kernels=dict(KERNELS), cpu=_cpu_name())
+    if not onednn_bf16():
+        limits.kernels["bfloat16"] = BF16_FALLBACK
     with torch_threads(threads):
         for dtype in KERNELS:
             limits.gemm_gflops[dtype] = {f"M={m}": _gemm(dtype, m, n, k, repeats)

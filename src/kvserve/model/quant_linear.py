@@ -50,6 +50,15 @@ def int4_op_available() -> bool:
         hasattr(ops, "_convert_weight_to_int4pack_for_cpu")
 
 
+INT4_OP_ROW_MULTIPLE = 16  # torch packs output rows in groups of 16: other counts it refuses
+
+
+def int4_op_fits(weight: QuantizedWeight) -> bool:
+    """Whether torch's int4 op can hold `weight`: its output rows must come in whole groups of
+    INT4_OP_ROW_MULTIPLE (a tiny model's vocabulary may not)."""
+    return weight.shape[0] % INT4_OP_ROW_MULTIPLE == 0
+
+
 def _out_dtype(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return out if out.dtype == like.dtype else out.to(like.dtype)
 
@@ -191,7 +200,11 @@ def make_quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None = N
         return DequantizedLinear(weight, bias, onednn=kernel == "auto")
     if kernel == "auto" and cpu_kernels.available():
         return BlockKernelLinear(weight, bias)
-    if int4_op_available():
+    if kernel == "torch_int4" and not int4_op_fits(weight):
+        raise ValueError(f"torch's int4 op needs output rows in multiples of "
+                         f"{INT4_OP_ROW_MULTIPLE}; this {weight.ggml_type} weight has "
+                         f"{weight.shape[0]}: use kernel='auto' or 'portable'")
+    if int4_op_available() and int4_op_fits(weight):
         return Int4Linear.from_ggml(weight, bias)
     _LOG.warning("neither kvserve's CPU kernels nor torch's int4 op serve %s here: it runs "
                  "dequantized to float32 (4-8x the bytes read per token)", weight.ggml_type)
