@@ -11,11 +11,30 @@ activations. Builds that lack the op fall back to `mkldnn_linear` on converted a
 
 `PackedLinear` holds a weight in oneDNN's blocked layout, so it is read-only: pack after the
 weights are loaded and fused, and only for inference.
+
+oneDNN builds (and PyTorch keeps) state for every row count it is called with, about an output's
+worth of memory each, never released: a server whose steps carry every token count from 1 to
+its batch budget would grow by gigabytes (docs/benchmarks.md, soak and chaos). So calls reach
+oneDNN with few row counts: up to EXACT_ROWS as they are (decode), then padded up to a multiple
+of 16 (to 64) or of 64 (to MAX_ROWS), and taller inputs in MAX_ROWS pieces: 26 row counts in all.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+EXACT_ROWS = 16  # row counts up to this reach oneDNN as they are
+MAX_ROWS = 512  # taller inputs run in pieces of this many rows
+
+
+def bucket_rows(rows: int) -> int:
+    """The row count a call of `rows` rows (1..MAX_ROWS) reaches oneDNN with: itself up to
+    EXACT_ROWS, else rounded up to a multiple of 16 (up to 64) or of 64."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 16 if rows <= 64 else 64
+    return -(-rows // step) * step
 
 
 def _has_pointwise_op() -> bool:
@@ -71,7 +90,21 @@ class PackedLinear:
             self.bias = None if bias is None else bias.detach().contiguous().to_mkldnn()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x [num_tokens, in] -> [num_tokens, out] (dense, x's dtype)."""
+        """x [num_tokens, in] -> [num_tokens, out] (dense, x's dtype), through oneDNN with the
+        few row counts of `bucket_rows` (the module doc says why)."""
+        rows = x.shape[0]
+        if rows <= EXACT_ROWS:
+            return self._call(x)
+        pieces = []
+        for start in range(0, rows, MAX_ROWS):
+            part = x[start:start + MAX_ROWS]
+            padded = bucket_rows(part.shape[0])
+            if padded != part.shape[0]:
+                part = F.pad(part, (0, 0, 0, padded - part.shape[0]))  # zero rows, dropped below
+            pieces.append(self._call(part)[:min(MAX_ROWS, rows - start)])
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _call(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor
         if self.in_place:
             out = torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias,
