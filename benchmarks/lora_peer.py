@@ -84,7 +84,7 @@ def run_vllm(python: Path, driver: Path, spec: dict[str, Any],
     """Run the driver on `spec`: one result per case ({"case", "error", "log_tail"} when that
     case or the whole run failed: the error and the end of vLLM's log) and the run's
     info (vLLM's version, load seconds, dtype, thread binding)."""
-    from kvserve.bench.engine_cli import run_driver
+    from kvserve.bench.engine_peers import run_driver
 
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = Path(tmp) / "spec.json"

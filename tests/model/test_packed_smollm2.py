@@ -43,7 +43,12 @@ def test_the_gguf_blocks_give_the_dequantized_logits() -> None:
     assert isinstance(layer.mlp.packed_gate_up, BlockKernelLinear | Int4Linear)
     dense, _ = _logits(EngineArgs(model=str(F32_DIR)), ids)
     assert torch.equal(packed.argmax(-1), dense.argmax(-1))
-    torch.testing.assert_close(packed, dense, rtol=1e-3, atol=1e-3)
+    if isinstance(layer.mlp.packed_gate_up, BlockKernelLinear):  # float32 activations
+        torch.testing.assert_close(packed, dense, rtol=1e-3, atol=1e-3)
+    else:  # torch's int4 op rounds activations and scales to bf16 in each of 30 layers
+        error = (packed - dense).abs()
+        spread = (dense.max() - dense.min()).item()
+        assert error.max().item() < 0.02 * spread and error.mean().item() < 0.005 * spread
 
 
 def test_gguf_quantization_needs_a_gguf_model(tmp_path: Path) -> None:

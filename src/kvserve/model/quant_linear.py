@@ -53,12 +53,6 @@ def int4_op_available() -> bool:
 INT4_OP_ROW_MULTIPLE = 16  # torch packs output rows in groups of 16: other counts it refuses
 
 
-def int4_op_fits(weight: QuantizedWeight) -> bool:
-    """Whether torch's int4 op can hold `weight`: its output rows must come in whole groups of
-    INT4_OP_ROW_MULTIPLE (a tiny model's vocabulary may not)."""
-    return weight.shape[0] % INT4_OP_ROW_MULTIPLE == 0
-
-
 def _out_dtype(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return out if out.dtype == like.dtype else out.to(like.dtype)
 
@@ -122,6 +116,7 @@ class BlockKernelLinear:
 class Int4Linear:
     """y = x @ w.T + bias through PyTorch's groupwise int4 op: w [out, in] as 4-bit codes and
     per-32 (scale, zero) pairs in bf16, activations in bf16, results returned in x's dtype.
+    The op packs rows in groups of INT4_OP_ROW_MULTIPLE: other row counts are padded with zeros.
     `doubled`: the codes cover [x, x] (the Q8_0 split), so calls feed the input twice."""
 
     __slots__ = ("bias", "doubled", "in_features", "out_features", "packed", "scales_zeros")
@@ -132,6 +127,9 @@ class Int4Linear:
         self.out_features = codes.shape[0]
         self.in_features = codes.shape[1] // 2 if doubled else codes.shape[1]
         self.doubled = doubled
+        pad = -self.out_features % INT4_OP_ROW_MULTIPLE  # zero rows, sliced off each call
+        if pad:
+            codes, scale, zero = (F.pad(t, (0, 0, 0, pad)) for t in (codes, scale, zero))
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             codes.contiguous(), 1)  # [out, k/2] uint8, the op's layout
         self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(
@@ -156,7 +154,8 @@ class Int4Linear:
         if self.doubled:
             xb = torch.cat([xb, xb], dim=-1)  # [T, 2 * in]
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(xb.contiguous(), self.packed, BLOCK,
-                                                         self.scales_zeros).float()  # [T, out]
+                                                         self.scales_zeros)  # [T, padded out]
+        out = out[:, :self.out_features].float()  # [T, out]
         if self.bias is not None:
             out += self.bias
         return _out_dtype(out, x)
@@ -200,11 +199,7 @@ def make_quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None = N
         return DequantizedLinear(weight, bias, onednn=kernel == "auto")
     if kernel == "auto" and cpu_kernels.available():
         return BlockKernelLinear(weight, bias)
-    if kernel == "torch_int4" and not int4_op_fits(weight):
-        raise ValueError(f"torch's int4 op needs output rows in multiples of "
-                         f"{INT4_OP_ROW_MULTIPLE}; this {weight.ggml_type} weight has "
-                         f"{weight.shape[0]}: use kernel='auto' or 'portable'")
-    if int4_op_available() and int4_op_fits(weight):
+    if int4_op_available():
         return Int4Linear.from_ggml(weight, bias)
     _LOG.warning("neither kvserve's CPU kernels nor torch's int4 op serve %s here: it runs "
                  "dequantized to float32 (4-8x the bytes read per token)", weight.ggml_type)

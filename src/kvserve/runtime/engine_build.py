@@ -9,6 +9,7 @@ state: the engine owns what they return.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,8 @@ from kvserve.runtime.memory_budget import device_memory_bytes, kv_bytes_for_util
 from kvserve.runtime.model_setup import DTYPES, load_rank_model, rank_device
 from kvserve.runtime.tp.executor import TensorParallelExecutor
 from kvserve.runtime.tp.launch import RankGroup, Rendezvous
+
+_LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +89,11 @@ def build_parts(args: EngineArgs, group: RankGroup | None) -> EngineParts:
     config = loaded.config
     rank_config = loaded.model.config  # this rank's heads (all of them on one rank)
     kv_dtype = kv_cache_dtype_name(args.kv_cache_dtype)
+    if kv_dtype is not None and kv_dtype == args.dtype and DTYPES[kv_dtype] != loaded.dtype:
+        _LOG.warning("--kv-cache-dtype %s follows the model's dtype, %s: --dtype %s fell back "
+                     "on this CPU", args.kv_cache_dtype,
+                     str(loaded.dtype).removeprefix("torch."), args.dtype)
+        kv_dtype = None
     if kv_dtype is not None and DTYPES[kv_dtype] != loaded.dtype:
         raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} differs from the model's "
                          f"dtype ({str(loaded.dtype).removeprefix('torch.')}): kvserve's "
