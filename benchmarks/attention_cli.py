@@ -74,6 +74,9 @@ def _cases(model: str) -> list[tuple[str, Callable[[], Any], Callable[[], Any], 
 
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
+    def cascade(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], Any]:
+        return lambda: cpu_attention.attention(q, k, v, scale, with_lse=True)
+
     def folded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], Any]:
         rows = q.shape[0] * group
         q_rows = q.view(q.shape[0], kv_heads, group, hd).transpose(0, 1).reshape(
@@ -81,7 +84,7 @@ def _cases(model: str) -> list[tuple[str, Callable[[], Any], Callable[[], Any], 
         kk, vv = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
         return lambda: flash(q_rows, kk, vv, 0.0, False, attn_mask=None, scale=scale)
 
-    cases = []
+    cases: list[tuple[str, Callable[[], Any], Callable[[], Any], float]] = []
     q, k, v = rand(1056, heads, hd), rand(1056, kv_heads, hd), rand(1056, kv_heads, hd)
     cases.append(("prefill causal 1056", lambda: cpu_attention.attention(
         q, k, v, scale, causal_offset=0), lambda: F.scaled_dot_product_attention(
@@ -90,8 +93,8 @@ def _cases(model: str) -> list[tuple[str, Callable[[], Any], Callable[[], Any], 
     for name, num_q in (("prefill cascade head 992x1024", 992),
                         ("decode cascade head 32x1024", 32)):
         qh, kh, vh = rand(num_q, heads, hd), rand(1024, kv_heads, hd), rand(1024, kv_heads, hd)
-        cases.append((name, lambda qh=qh, kh=kh, vh=vh: cpu_attention.attention(
-            qh, kh, vh, scale, with_lse=True), folded(qh, kh, vh), num_q * 1024 * heads * hd * 4))
+        cases.append((name, cascade(qh, kh, vh), folded(qh, kh, vh),
+                      num_q * 1024 * heads * hd * 4))
     cases.append(_paged_decode_case(heads, kv_heads, hd, scale, rand))
     return cases
 

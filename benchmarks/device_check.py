@@ -32,7 +32,7 @@ SMOLLM2_SHAPE: dict[str, Any] = {
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     import torch
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(4, vocab, (count, length), generator=gen).tolist()  # type: ignore[no-any-return]
+    return torch.randint(4, vocab, (count, length), generator=gen).tolist()
 
 
 def _kvserve_greedy(path: Path, device: str, dtype: str, prompts: list[list[int]],
@@ -52,7 +52,9 @@ def _hf_greedy(path: Path, device: str, dtype: str, prompts: list[list[int]],
                max_tokens: int, batched: bool) -> tuple[list[list[int]], float]:
     import torch
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    # transformers wraps `to` with functools.wraps(Module.to), so mypy sees `self` unbound
+    model = model.to(device)  # type: ignore[arg-type]
     model.eval()
     kw = {"max_new_tokens": max_tokens, "min_new_tokens": max_tokens, "do_sample": False}
     groups = [prompts] if batched else [[p] for p in prompts]

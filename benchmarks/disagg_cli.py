@@ -106,6 +106,7 @@ def _fleet(mode: str, spec: LaunchSpec, args: argparse.Namespace,
            log_dir: Path) -> Iterator[tuple[str, str | None]]:
     """The gateway's URL (and the decode worker's, when disaggregated), fleet up and healthy."""
     key = secrets.token_hex(8)
+    roles: list[tuple[str, ...]]
     if mode == UNIFIED:
         roles = [(), ()]
     else:

@@ -26,6 +26,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from functools import partial
+from unittest import mock
 
 from rich.console import Console
 from rich.table import Table
@@ -82,13 +83,10 @@ def _setting(knob: str, value: str, sim_args: argparse.Namespace) -> Iterator[
         finally:
             for m, old in zip(modules, olds, strict=True):
                 setattr(m, name, old)
-    elif knob == "decrease":
-        old_limit = fleet.LatencyLimit
-        fleet.LatencyLimit = partial(old_limit, decrease=float(value))  # type: ignore[misc]
-        try:
+    elif knob == "decrease":  # fleet builds its limit by the name it imported: patch that binding
+        limited = partial(latency_limit.LatencyLimit, decrease=float(value))
+        with mock.patch.object(fleet, "LatencyLimit", limited):
             yield lambda sim: None
-        finally:
-            fleet.LatencyLimit = old_limit  # type: ignore[misc]
     elif knob == "slot_headroom":
         batch = sim_args.max_num_seqs or 256
         slots = (worker_slots(batch) if value == "default"

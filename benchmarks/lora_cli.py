@@ -20,6 +20,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -257,11 +258,12 @@ def kernel_rows(model: Path, num_adapters: int, rank: int) -> list[dict[str, obj
     seq_slots = [i % num_adapters for i in range(rows_n)]
     query_start = list(range(rows_n + 1))
     token_slots = torch.tensor(seq_slots)
-    out = []
-    for name, fn in (("grouped by adapter (SGMV)", lambda o: sgmv_add(
+    forms: list[tuple[str, Callable[[list[torch.Tensor]], None]]] = [
+        ("grouped by adapter (SGMV)", lambda o: sgmv_add(
             x, a, bs, o, slot_segments(seq_slots, query_start, torch.device("cpu")), rank)),
-                     ("gathered per token (BGMV)", lambda o: bgmv_add(
-                         x, a, bs, o, token_slots, rank))):
+        ("gathered per token (BGMV)", lambda o: bgmv_add(x, a, bs, o, token_slots, rank))]
+    out = []
+    for name, fn in forms:
         times = []
         for _ in range(30):
             outs = [torch.zeros(rows_n, inter), torch.zeros(rows_n, inter)]

@@ -46,7 +46,7 @@ def _event(payload: object) -> bytes:
 
 async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
     """A chunked request body (Envoy sends one when a filter rewrote the body)."""
-    parts = []
+    parts: list[bytes] = []
     while True:
         size = int((await reader.readuntil(b"\r\n")).split(b";")[0].strip(), 16)
         if size == 0:

@@ -37,8 +37,9 @@ def main() -> None:
 
     where, name = args.gguf.parent, args.gguf.name
     tokenizer = transformers.AutoTokenizer.from_pretrained(where, gguf_file=name)
+    # transformers' eval() override is unannotated
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        where, gguf_file=name, dtype=torch.float32).eval()
+        where, gguf_file=name, dtype=torch.float32).eval()  # type: ignore[no-untyped-call]
     eos = tokenizer.convert_tokens_to_ids(args.eos)
     data = json.loads(args.prompts.read_text(encoding="utf-8"))
     answers = []

@@ -41,9 +41,12 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from driver_output import peak_rss_mib, print_result  # this folder (run as a script)
+if TYPE_CHECKING:  # mypy checks the sibling under its package name
+    from benchmarks.peers.driver_output import peak_rss_mib, print_result
+else:
+    from driver_output import peak_rss_mib, print_result  # this folder (run as a script)
 
 SYSTEM = "llamacpp"
 SPEC_KEYS = {"gguf": str, "vocab_size": int, "max_model_len": int, "num_threads": int,

@@ -40,9 +40,12 @@ import os
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from driver_output import peak_rss_mib, print_result  # this folder (run as a script)
+if TYPE_CHECKING:  # mypy checks the sibling under its package name
+    from benchmarks.peers.driver_output import peak_rss_mib, print_result
+else:
+    from driver_output import peak_rss_mib, print_result  # this folder (run as a script)
 
 GIB = 1 << 30
 DTYPES = ("float32", "bfloat16")

@@ -35,9 +35,12 @@ import os
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from driver_output import print_result  # this folder (the driver runs as a script)
+if TYPE_CHECKING:  # mypy checks the sibling under its package name
+    from benchmarks.peers.driver_output import print_result
+else:
+    from driver_output import print_result  # this folder (the driver runs as a script)
 
 
 def configure_env(spec: dict[str, Any]) -> None:
