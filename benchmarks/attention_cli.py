@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 1 or args.threads < 1:
         raise SystemExit("--repeats and --threads must be at least 1")
-    if not cpu_kernels.available():
+    if not cpu_kernels.available("attention"):
         raise SystemExit("kvserve's CPU kernels are not available here (they need x86-64 with "
                          "AVX-512 and a C compiler: set $CC or install gcc)")
     threads_before = torch.get_num_threads()

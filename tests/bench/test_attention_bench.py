@@ -11,7 +11,7 @@ from benchmarks.__main__ import main
 from kvserve.model import cpu_kernels
 
 
-@pytest.mark.skipif(not cpu_kernels.available(),
+@pytest.mark.skipif(not cpu_kernels.available("attention"),
                     reason="kvserve's CPU kernels are not available here (needs x86-64 with "
                            "AVX-512 and a C compiler)")
 def test_a_tiny_run_reports_every_call(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,10 +9,14 @@ import torch
 
 from kvserve.model import cpu_attention, cpu_kernels
 
-pytestmark = pytest.mark.skipif(
-    not cpu_kernels.available(),
-    reason="kvserve's CPU kernels are not available here (needs x86-64 with AVX-512 "
-           "and a C compiler)")
+needs_attention = pytest.mark.skipif(
+    not cpu_kernels.available("attention"),
+    reason="kvserve's prefill attention kernel is not available here (needs x86-64 with "
+           "AVX-512 and a C compiler)")
+needs_paged_decode = pytest.mark.skipif(
+    not cpu_kernels.available("paged_decode"),
+    reason="kvserve's paged decode kernel is not available here (needs x86-64 with AVX-512 "
+           "or AVX2 and a C compiler)")
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -44,6 +48,7 @@ CASES = [(hd, *shape) for hd in cpu_attention.HEAD_DIMS for shape in SHAPES
          if hd in (16, 64, 128) or shape[0] * shape[1] <= 20_000]
 
 
+@needs_attention
 @pytest.mark.parametrize(("head_dim", "q_len", "kv_len", "heads", "kv_heads", "offset"), CASES)
 def test_matches_float64_attention(head_dim, q_len, kv_len, heads, kv_heads, offset):
     gen = torch.Generator().manual_seed(q_len * 1000 + kv_len + head_dim)
@@ -58,6 +63,7 @@ def test_matches_float64_attention(head_dim, q_len, kv_len, heads, kv_heads, off
     torch.testing.assert_close(got[1].double(), want_lse, atol=2e-5, rtol=1e-5)
 
 
+@needs_attention
 def test_reads_strided_inputs_in_place():
     """q/k/v as the views a fused qkv projection yields: token stride > heads * head_dim."""
     gen = torch.Generator().manual_seed(7)
@@ -72,6 +78,7 @@ def test_reads_strided_inputs_in_place():
                                atol=2e-5, rtol=1e-5)
 
 
+@needs_attention
 def test_masked_keys_get_no_weight():
     """A huge value behind the causal mask must not leak into any output."""
     q = torch.randn(8, 2, 16)
@@ -84,6 +91,7 @@ def test_masked_keys_get_no_weight():
     assert torch.all(out[0][-1] > 1e25)
 
 
+@needs_attention
 @pytest.mark.parametrize("case", ["bfloat16", "head_dim_24", "last_dim_strided",
                                   "disabled", "dtype_mismatch"])
 def test_declines_what_it_does_not_serve(case):
@@ -104,6 +112,7 @@ def test_declines_what_it_does_not_serve(case):
         assert cpu_attention.attention(q, k, v, 0.2) is None
 
 
+@needs_attention
 def test_negative_causal_offset_is_refused():
     q, k = torch.randn(4, 2, 32), torch.randn(4, 1, 32)
     with pytest.raises(ValueError, match="causal_offset must be >= 0"):
@@ -127,6 +136,7 @@ def gather(cache: torch.Tensor, table: torch.Tensor, start: int, end: int) -> to
     return cache[table].flatten(0, 1)[start:end]  # [end - start, KVH, hd]
 
 
+@needs_paged_decode
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(8, 2), (4, 4), (12, 1)])
 @pytest.mark.parametrize("with_window", [False, True])
@@ -147,6 +157,7 @@ def test_paged_decode_reads_the_cache_in_place(head_dim, heads, kv_heads, with_w
         torch.testing.assert_close(got[i:i + 1].double(), want, atol=2e-5, rtol=1e-5)
 
 
+@needs_paged_decode
 def test_paged_decode_merges_the_prior_part_exactly():
     """The prior (a shared head's output and log-sum-exp) and the tail merge into attention
     over the head's keys followed by the tail's."""
@@ -166,6 +177,7 @@ def test_paged_decode_merges_the_prior_part_exactly():
         torch.testing.assert_close(got[i:i + 1].double(), want, atol=2e-5, rtol=1e-5)
 
 
+@needs_paged_decode
 def test_paged_decode_declines_groups_beyond_its_limit():
     gen = torch.Generator().manual_seed(0)
     heads = 2 * cpu_attention.MAX_GROUP

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,10 +16,12 @@ from kvserve.model import cpu_kernels, cpu_pointwise
 from kvserve.model.layers import RMSNorm
 from kvserve.model.rotary import apply_rotary
 
+REPO = Path(__file__).resolve().parents[2]
+
 pytestmark = pytest.mark.skipif(
-    not cpu_kernels.available(),
-    reason="kvserve's CPU kernels are not available here (needs x86-64 with AVX-512 and a C "
-           "compiler)")
+    not cpu_kernels.available("pointwise"),
+    reason="kvserve's CPU kernels are not available here (needs x86-64 with AVX-512 or AVX2 "
+           "and a C compiler)")
 
 
 def test_one_build_is_shared_by_later_loads(tmp_path, monkeypatch):
@@ -24,10 +30,10 @@ def test_one_build_is_shared_by_later_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
     compiler = cpu_kernels.find_compiler()
     assert compiler is not None
-    first = cpu_kernels.build(compiler)
+    first = cpu_kernels.build(compiler, cpu_kernels.kernel_set() or "avx512")
     assert first.parent == tmp_path / "kernels" and first.exists()
     mtime = first.stat().st_mtime_ns
-    assert cpu_kernels.build(compiler) == first
+    assert cpu_kernels.build(compiler, cpu_kernels.kernel_set() or "avx512") == first
     assert first.stat().st_mtime_ns == mtime
     assert [p.name for p in first.parent.iterdir()] == [first.name]
 
@@ -100,21 +106,56 @@ def test_rotary_in_place_matches_apply_rotary(head_dim):
     torch.testing.assert_close(qkv[:, heads * head_dim:], untouched, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["bfloat16", "dim_24", "head_dim_16", "disabled"])
+@pytest.mark.parametrize("case", ["bfloat16", "dim_20", "head_dim_12", "disabled"])
 def test_declines_what_it_does_not_serve(case):
+    """Dims that neither set's vectors divide (AVX-512 reads 16 lanes, AVX2 8)."""
     x, weight = torch.randn(4, 32), torch.randn(32)
     q, cos = torch.randn(4, 2, 32), torch.randn(4, 32)
     if case == "bfloat16":
         x, q = x.bfloat16(), q.bfloat16()
-    elif case == "dim_24":
-        x, weight = torch.randn(4, 24), torch.randn(24)
-    elif case == "head_dim_16":
-        q, cos = torch.randn(4, 2, 16), torch.randn(4, 16)
+    elif case == "dim_20":
+        x, weight = torch.randn(4, 20), torch.randn(20)
+    elif case == "head_dim_12":
+        q, cos = torch.randn(4, 2, 12), torch.randn(4, 12)
     before = q.clone()
     with cpu_kernels.disabled() if case == "disabled" else contextlib.nullcontext():
-        if case != "head_dim_16":
+        if case != "head_dim_12":
             assert cpu_pointwise.rms_norm(x, weight, 1e-5) is None
             assert cpu_pointwise.silu_mul(torch.cat([x, x], -1)) is None
-        if case != "dim_24":
+        if case != "dim_20":
             assert cpu_pointwise.rotary_(q, cos, cos) is None
     torch.testing.assert_close(q, before, atol=0, rtol=0)  # a declined call writes nothing
+
+
+def test_the_kernel_set_follows_the_cpu_and_the_override(monkeypatch):
+    capability = torch.backends.cpu.get_cpu_capability()
+    monkeypatch.delenv("KVSERVE_CPU_KERNELS_ISA", raising=False)
+    native = cpu_kernels.kernel_set()
+    assert native == {"AVX512": "avx512", "AVX2": "avx2"}[capability]
+    monkeypatch.setenv("KVSERVE_CPU_KERNELS_ISA", "avx2")
+    assert cpu_kernels.kernel_set() == "avx2"  # the AVX2 set runs on AVX-512 CPUs too
+    monkeypatch.setenv("KVSERVE_CPU_KERNELS_ISA", "sse2")
+    assert cpu_kernels.kernel_set() == native  # an unknown value is ignored (with a warning)
+
+
+def test_the_avx2_set_matches_pytorch_in_its_own_process():
+    """The AVX2 set on whatever CPU runs the tests (on an AVX-512 CPU, forced by the override):
+    the kernel tests of the families it has, again, in a process that builds only that set."""
+    if cpu_kernels.kernel_set() == "avx2" and "KVSERVE_CPU_KERNELS_ISA" not in os.environ:
+        pytest.skip("this CPU's own set is the AVX2 one: this process's tests ran it")
+    env = dict(os.environ, KVSERVE_CPU_KERNELS_ISA="avx2")
+    here = Path(__file__).parent
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x", __file__,
+         str(here / "test_cpu_attention.py"),
+         f"{here / 'test_quant_linear.py'}::test_every_path_computes_the_dequantized_matmul",
+         "-k", "not own_process and not follows_the_cpu"],
+        capture_output=True, text=True, timeout=300, env=env, cwd=REPO, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout, done.stdout[-2000:]
+
+
+def test_families_are_the_sets_own():
+    assert set(cpu_kernels.families()) == {
+        "avx512": {"attention", "paged_decode", "pointwise", "quant"},
+        "avx2": {"paged_decode", "pointwise", "quant"}}[cpu_kernels.kernel_set() or ""]

@@ -68,7 +68,7 @@ def test_every_path_computes_the_dequantized_matmul(ggml_type: str, path: str) -
     gen = torch.Generator().manual_seed(1)
     bias = torch.randn(96, generator=gen)
     dense = dequantize(weight).double()
-    if path == "c_kernel" and not cpu_kernels.available():
+    if path == "c_kernel" and not cpu_kernels.available("quant"):
         pytest.skip("kvserve's CPU kernels need x86-64 with AVX-512 and a C compiler")
     kernel = {"c_kernel": "auto", "torch_int4": "torch_int4", "portable": "portable"}[path]
     layer = make_quantized_linear(weight, bias, kernel=kernel)
@@ -151,7 +151,7 @@ def test_a_packed_model_gives_the_dequantized_models_logits(
     ids = torch.randint(4, config.vocab_size, (21,), generator=torch.Generator().manual_seed(3))
     got, want = _logits(packed.model, config, ids), _logits(reference.model, config, ids)
     # "auto" on a CPU without kvserve's kernels is torch's int4 op: activations rounded to bf16.
-    bf16 = kernel == "auto" and not cpu_kernels.available()
+    bf16 = kernel == "auto" and not cpu_kernels.available("quant")
     rtol, atol = (5e-2, 0.25) if bf16 else (1e-4, 1e-4)
     torch.testing.assert_close(got, want, rtol=rtol, atol=atol)
     layer = packed.model.model.layers[0]

@@ -73,7 +73,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
     if causal_offset is not None and causal_offset < 0:
         raise ValueError(f"causal_offset must be >= 0 (a query must see key 0), got "
                          f"{causal_offset}")
-    lib = cpu_kernels.library()
+    lib = cpu_kernels.library("attention")
     if lib is None:
         return None
     out = torch.empty(q_len, num_heads, head_dim)
@@ -114,7 +114,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
             or not key_cache.is_contiguous() or not value_cache.is_contiguous()
             or tables.dtype != torch.int64 or tables.stride(-1) != 1):
         return None
-    lib = cpu_kernels.library()
+    lib = cpu_kernels.library("paged_decode")
     if lib is None:
         return None
     ends = ends.to(torch.int64).contiguous()

@@ -1,12 +1,16 @@
 """kvserve's CPU kernels (the C sources in csrc/): built on first use, loaded through ctypes.
 
-The kernels serve float32 on x86-64 CPUs with AVX-512: attention and paged decode
-(cpu_attention), the fused position-wise ops of a layer (cpu_pointwise), and matmuls by weights
-kept in GGUF's 4- and 8-bit blocks (quant_linear). Where they cannot
-be built, or are turned off, `library()` is None and every caller takes its PyTorch path, which
-stays the reference the kernels are tested against.
+The kernels serve float32 on x86-64 CPUs, in families (FAMILIES): prefill attention and paged
+decode (cpu_attention), the fused position-wise ops of a layer (cpu_pointwise), and matmuls by
+weights kept in GGUF's 4- and 8-bit blocks (quant_linear). Which families a CPU gets is chosen
+at run time from its vector unit (torch's `get_cpu_capability()`): with AVX-512 every family
+(csrc/*.c); with AVX2 and FMA but no AVX-512 all but prefill attention (csrc/avx2/*.c, the same
+kernels at 8 lanes). A family not built here, or no kernels at all, makes `library(family)`
+None, and every caller then takes its PyTorch path, which stays the reference the kernels are
+tested against. `KVSERVE_CPU_KERNELS_ISA=avx2` builds the AVX2 set on an AVX-512 CPU (so one
+machine tests both).
 
-Building: every csrc/*.c is compiled with the system's C compiler (`$CC`, else `cc` or `gcc`)
+Building: the chosen set is compiled with the system's C compiler (`$CC`, else `cc` or `gcc`)
 for this machine's CPU (`-march=native`) into one library in `$KVSERVE_CACHE/kernels` (else
 ~/.cache/kvserve/kernels), named by a hash of the sources, flags, compiler and CPU, so one build
 (about 2 s) serves every later process; a failed build is logged once and not retried in the
@@ -31,27 +35,35 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
-__all__ = ["available", "disabled", "find_compiler", "library", "set_enabled"]
+__all__ = ["FAMILIES", "available", "disabled", "families", "find_compiler", "kernel_set",
+           "library", "set_enabled"]
 
 _LOG = logging.getLogger(__name__)
 _SRC_DIR = Path(__file__).with_name("csrc")
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 
 _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {  # every exported kernel's parameters (each returns int: 0 on success)
-    "kvserve_attention": (_P,),  # struct attention_args *
-    "kvserve_paged_decode": (_P,),  # struct decode_args *
-    "kvserve_rms_norm": (_P, _L, _P, _L, _P, _P, _L, _L, _L, _F, _I),
-    "kvserve_silu_mul": (_P, _L, _P, _L, _L, _L, _I),
-    "kvserve_rotary": (_P, _L, _L, _L, _L, _L, _P, _P, _I),
-    "kvserve_q4_matmul": (_P, _L, _P, _P, _P, _P, _L, _L, _L, _L, _I),
-    "kvserve_q8_matmul": (_P, _L, _P, _P, _P, _L, _L, _L, _L, _I),
+FAMILIES: dict[str, dict[str, tuple[Any, ...]]] = {  # family: kernel: its parameters
+    # (each kernel returns int: 0 on success)
+    "attention": {"kvserve_attention": (_P,)},  # struct attention_args *
+    "paged_decode": {"kvserve_paged_decode": (_P,)},  # struct decode_args *
+    "pointwise": {"kvserve_rms_norm": (_P, _L, _P, _L, _P, _P, _L, _L, _L, _F, _I),
+                  "kvserve_silu_mul": (_P, _L, _P, _L, _L, _L, _I),
+                  "kvserve_rotary": (_P, _L, _L, _L, _L, _L, _P, _P, _I)},
+    "quant": {"kvserve_q4_matmul": (_P, _L, _P, _P, _P, _P, _L, _L, _L, _L, _I),
+              "kvserve_q8_matmul": (_P, _L, _P, _P, _P, _L, _L, _L, _L, _I)},
+}
+_KERNEL_SETS = {  # ISA: (source folder under csrc/, the families its sources export)
+    "avx512": ("", ("attention", "paged_decode", "pointwise", "quant")),
+    "avx2": ("avx2", ("paged_decode", "pointwise", "quant")),
 }
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
+_families: tuple[str, ...] = ()
 _tried = False
 _enabled = os.environ.get("KVSERVE_CPU_KERNELS", "1") != "0"
 
@@ -76,16 +88,33 @@ def _cpu_signature() -> str:
     return "|".join(next((ln for ln in lines if ln.startswith(w)), "") for w in wanted)
 
 
-def build(compiler: str) -> Path:
-    """Compile the kernel library (or find it already compiled); raise on any failure."""
-    sources = sorted(p for p in _SRC_DIR.iterdir() if p.suffix in (".c", ".h"))
+def kernel_set() -> str | None:
+    """The kernel set this CPU runs ("avx512" or "avx2"), or None where no set fits: x86-64
+    with AVX-512, else with AVX2 (and FMA, which torch's AVX2 level implies);
+    `KVSERVE_CPU_KERNELS_ISA=avx2` picks the AVX2 set on an AVX-512 CPU."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    capability = torch.backends.cpu.get_cpu_capability()
+    wanted = os.environ.get("KVSERVE_CPU_KERNELS_ISA", "").lower()
+    if wanted not in ("", *_KERNEL_SETS):
+        _LOG.warning("KVSERVE_CPU_KERNELS_ISA=%s is not one of %s: ignored", wanted,
+                     ", ".join(_KERNEL_SETS))
+    if capability == "AVX512":
+        return "avx2" if wanted == "avx2" else "avx512"
+    return "avx2" if capability == "AVX2" else None
+
+
+def build(compiler: str, isa: str = "avx512") -> Path:
+    """Compile `isa`'s kernel library (or find it already compiled); raise on any failure."""
+    folder = _SRC_DIR / _KERNEL_SETS[isa][0]
+    sources = sorted(p for p in folder.iterdir() if p.suffix in (".c", ".h"))
     digest = hashlib.sha256()
     for path in sources:
         digest.update(path.name.encode() + path.read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=True, timeout=30).stdout
     digest.update(" ".join((*_FLAGS, compiler, version, _cpu_signature())).encode())
-    target = _cache_dir() / f"kvserve-kernels-{digest.hexdigest()[:16]}.so"
+    target = _cache_dir() / f"kvserve-kernels-{isa}-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -104,16 +133,16 @@ def build(compiler: str) -> Path:
 
 
 def _load() -> ctypes.CDLL | None:
-    global _library, _tried
+    global _library, _families, _tried
     if _tried:  # every kernel call passes here: no lock once the first load is done
         return _library
     with _lock:
         if _tried:
             return _library
         _tried = True
-        if platform.machine() not in ("x86_64", "AMD64") or \
-                torch.backends.cpu.get_cpu_capability() != "AVX512":
-            _LOG.info("kvserve's CPU kernels off: they need x86-64 with AVX-512")
+        isa = kernel_set()
+        if isa is None:
+            _LOG.info("kvserve's CPU kernels off: they need x86-64 with AVX-512 or AVX2")
             return None
         compiler = find_compiler()
         if compiler is None:
@@ -121,11 +150,14 @@ def _load() -> ctypes.CDLL | None:
                          "using PyTorch's ops")
             return None
         try:
-            lib = ctypes.CDLL(str(build(compiler)))
-            for name, argtypes in _SIGNATURES.items():
-                getattr(lib, name).argtypes = argtypes
-                getattr(lib, name).restype = ctypes.c_int
-            _library = lib
+            lib = ctypes.CDLL(str(build(compiler, isa)))
+            families = _KERNEL_SETS[isa][1]
+            for family in families:
+                for name, argtypes in FAMILIES[family].items():
+                    getattr(lib, name).argtypes = argtypes
+                    getattr(lib, name).restype = ctypes.c_int
+            _library, _families = lib, families
+            _LOG.info("kvserve's CPU kernels (%s): %s", isa, ", ".join(families))
         except (OSError, AttributeError, subprocess.SubprocessError) as err:
             detail = getattr(err, "stderr", "") or err
             _LOG.warning("kvserve's CPU kernels off: build or load failed (%s); using "
@@ -133,14 +165,23 @@ def _load() -> ctypes.CDLL | None:
         return _library
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels (built on first call), or None where they are off or unavailable."""
-    return _load() if _enabled else None
+def library(family: str) -> ctypes.CDLL | None:
+    """The loaded kernels (built on first call) when they include `family` (a FAMILIES key),
+    else None: kernels off, unavailable here, or this CPU's set lacks the family."""
+    if not _enabled:
+        return None
+    lib = _load()
+    return lib if family in _families else None
 
 
-def available() -> bool:
-    """Whether the kernels can run here (building them on first call)."""
-    return library() is not None
+def families() -> tuple[str, ...]:
+    """The kernel families that run here (building them on first call); () when off."""
+    return _families if _enabled and _load() is not None else ()
+
+
+def available(family: str) -> bool:
+    """Whether `family`'s kernels can run here (building them on first call)."""
+    return library(family) is not None
 
 
 def set_enabled(enabled: bool) -> None:

@@ -1,12 +1,14 @@
-"""kvserve's fused position-wise CPU kernels (csrc/pointwise.c) through ctypes, float32.
+"""kvserve's fused position-wise CPU kernels (csrc/pointwise.c, csrc/avx2/pointwise.c) through
+ctypes, float32.
 
 Each replaces a chain of PyTorch eager ops that passes over the activations several times
 (RMSNorm: square, mean, rsqrt, two multiplies, and the residual add before it; SwiGLU's gate:
 silu, then a multiply; rotary: slicing, a negation, a concatenation, two multiplies and an add)
 with one pass. Each function returns None where the kernels do not serve the call (see
-cpu_kernels; another dtype or device, a dim that is not a multiple of 16, or a layout the kernel
-does not read), and callers then take their PyTorch path, the reference. Results equal the
-PyTorch ops up to float rounding (other summation and evaluation orders).
+cpu_kernels; another dtype or device, a dim that is not a multiple of the set's vector width
+(16 lanes with AVX-512, 8 with AVX2), or a layout the kernel does not read), and callers then
+take their PyTorch path, the reference. Results equal the PyTorch ops up to float rounding
+(other summation and evaluation orders).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def _rows(x: torch.Tensor) -> tuple[int, int] | None:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """weight * x / sqrt(mean(x^2, -1) + eps) for x [T, dim] -> new [T, dim]; None if unserved."""
-    lib = cpu_kernels.library()
+    lib = cpu_kernels.library("pointwise")
     rows = _rows(x)
     if lib is None or rows is None or not _served(x, weight) or not weight.is_contiguous():
         return None
@@ -51,7 +53,7 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
                  eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(s, rms_norm(s)) with s = residual + delta, both [T, dim]; s is written into `delta`
     (which the caller gives up) and returned. None if unserved (nothing written then)."""
-    lib = cpu_kernels.library()
+    lib = cpu_kernels.library("pointwise")
     res_rows, delta_rows = _rows(residual), _rows(delta)
     if (lib is None or res_rows is None or delta_rows is None or residual.shape != delta.shape
             or not _served(residual, delta, weight) or not weight.is_contiguous()):
@@ -67,7 +69,7 @@ def add_rms_norm(residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tens
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up for gate_up [T, 2 * dim] (gate first) -> new [T, dim]; None if unserved."""
-    lib = cpu_kernels.library()
+    lib = cpu_kernels.library("pointwise")
     rows = _rows(gate_up)
     if lib is None or rows is None or not _served(gate_up) or gate_up.shape[-1] % 2:
         return None
@@ -82,7 +84,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
     """Rotate x [T, heads, head_dim] in place by cos/sin [T, head_dim] (RotaryEmbedding's
     tables, whose two halves are equal) and return it; None if unserved (x untouched)."""
-    lib = cpu_kernels.library()
+    lib = cpu_kernels.library("pointwise")
     if (lib is None or x.dim() != 3 or not _served(x, cos, sin) or not cos.is_contiguous()
             or not sin.is_contiguous() or cos.shape != (x.shape[0], x.shape[2])
             or sin.shape != cos.shape):

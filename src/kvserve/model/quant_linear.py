@@ -4,11 +4,12 @@ Decoding one token reads every weight once, so on a CPU its time is the weight b
 memory bandwidth. Q4_0, Q4_1 and Q8_0 weights (ggml_blocks) stay packed and run, chosen at run
 time by what this machine has:
 
-1. kvserve's C kernels (csrc/quant_matmul.c, AVX-512): codes decoded in registers, float32
-   activations and accumulation. Batches of more than `KERNEL_MAX_TOKENS` rows (prefill) instead
-   decode the whole weight to float32 for the call and run a dense matmul, which reuses each
-   decoded weight for every row (measured faster there; docs/benchmarks.md).
-2. Where those kernels are off (no AVX-512 or no C compiler): PyTorch's groupwise int4 CPU op
+1. kvserve's C kernels (csrc/quant_matmul.c for AVX-512, csrc/avx2/quant_matmul.c for AVX2):
+   codes decoded in registers, float32 activations and accumulation. Batches of more than
+   `KERNEL_MAX_TOKENS` rows (prefill) instead decode the whole weight to float32 for the call
+   and run a dense matmul, which reuses each decoded weight for every row (measured faster
+   there; docs/benchmarks.md).
+2. Where those kernels are off (no AVX2 or no C compiler): PyTorch's groupwise int4 CPU op
    (`_weight_int4pack_mm_for_cpu`, group 32), vectorised by ATen for the CPU it finds. Its
    w = (q - 8) * scale + zero holds Q4_0 as (d, 0) and Q4_1 as (d, m + 8d) exactly; Q8_0 is
    split as q = 16h + l into two 4-bit halves fed [x, x]. Its fast path takes bf16 activations
@@ -92,7 +93,7 @@ class BlockKernelLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [num_tokens, in] -> [num_tokens, out], x's dtype."""
         # Invariant: the kernels read float32 rows with a unit inner stride.
-        lib = cpu_kernels.library()
+        lib = cpu_kernels.library("quant")
         x32 = x.float().contiguous()
         tokens = x32.shape[0]
         if lib is None or tokens > KERNEL_MAX_TOKENS:
@@ -197,7 +198,7 @@ def make_quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None = N
         raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
     if not weight.is_packable or kernel == "portable":
         return DequantizedLinear(weight, bias, onednn=kernel == "auto")
-    if kernel == "auto" and cpu_kernels.available():
+    if kernel == "auto" and cpu_kernels.available("quant"):
         return BlockKernelLinear(weight, bias)
     if int4_op_available():
         return Int4Linear.from_ggml(weight, bias)

@@ -41,9 +41,10 @@ class EngineArgs:
     (model/quant_linear; decode reads 4-8x fewer bytes): "gguf" keeps a .gguf model's own
     blocks (Q4_0/Q4_1/Q8_0 packed, other types dequantized); "q4_0", "q4_1", "q8_0" quantize
     a dense checkpoint's projections at load (the lm_head to q8_0); None: dense weights.
-    `cpu_kernels`: on CPU, run attention and the fused position-wise ops through kvserve's own
-    kernels (model/cpu_kernels; float32, AVX-512, built with the system's C compiler on first
-    use, else PyTorch's ops); False keeps PyTorch's ops. Process-wide.
+    `cpu_kernels`: on CPU, run attention, the fused position-wise ops and packed matmuls
+    through kvserve's own kernels (model/cpu_kernels; float32; all of them on AVX-512, all but
+    prefill attention on AVX2; built with the system's C compiler on first use, else PyTorch's ops);
+    False keeps PyTorch's ops. Process-wide.
     `idle_audit_interval_s`: the idle check runs whenever the engine drains; the full audit
     runs on a drain at most once per that many seconds (0: on every drain).
     `reuse_host_memory`: on CPU, make the C library keep freed memory for reuse instead of

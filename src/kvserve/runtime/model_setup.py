@@ -38,7 +38,7 @@ def load_rank_model(args: EngineArgs, shard: ShardSpec, device: str) -> tuple[Lo
     weight_bytes = model_bytes(loaded.model)
     cpu_kernels.set_enabled(args.cpu_kernels)
     if args.cpu_kernels and loaded.device.type == "cpu":
-        cpu_kernels.available()
+        cpu_kernels.families()  # build now, so the first step does not
     if args.quantization == "gguf":
         if not is_gguf(loaded.path):
             raise ValueError(f"quantization='gguf' keeps a .gguf model's blocks, but {path} is "

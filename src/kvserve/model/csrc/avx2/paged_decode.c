@@ -1,0 +1,137 @@
+/* Paged decode attention for x86-64 CPUs with AVX2 and FMA (no AVX-512), float32: the
+ * kvserve_paged_decode kernel of ../attention.c (same struct, contract and results up to float
+ * rounding) at 8 lanes, one loop over the head dim instead of an instance per head dim.
+ *
+ * Each (decode, kv head) item: its group's query heads over the decode's keys, read in place from
+ * the paged cache in chunks of DCH keys, an online softmax in base 2 (scale folded with log2 e
+ * into q), starting from the prior softmax part when there is one. Returns 0; -1 for a head dim
+ * that is not a multiple of 8 up to MAX_HD, or a group over MAX_GROUP. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "vec_math.h"
+
+#define MAX_GROUP 16 /* query heads per kv head */
+#define MAX_HD 128
+#define DCH 64 /* keys per chunk of a decode's online softmax */
+#define PARALLEL_MIN_WORK (1L << 20) /* multiply-adds below which a call runs on one thread */
+
+struct decode_args {  /* exactly ../attention.c's */
+    const float *q, *k_cache, *v_cache;
+    const int64_t *tables, *starts, *ends;
+    const float *prior_out, *prior_lse;
+    float *out;
+    long num_decodes, table_stride, block_size, q_stride_t, q_stride_h;
+    int num_heads, num_kv_heads, head_dim, num_threads;
+    float scale;
+};
+
+/* One chunk of a row's online softmax, in base 2: row[0, n_pad) holds scores (-inf past the
+ * chunk's keys; n_pad a multiple of 8), which become 2^(score - new max). Updates the running
+ * max *m and sum *l; returns the factor the row's earlier output must be scaled by. */
+static inline float online_softmax_block(float *row, int n_pad, float *m, float *l) {
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (int c = 0; c < n_pad; c += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(row + c));
+    const float m_new = fmaxf(*m, reduce_max(mx));
+    const __m256 mv = _mm256_set1_ps(m_new);
+    __m256 sum = _mm256_setzero_ps();
+    for (int c = 0; c < n_pad; c += 8) {
+        const __m256 p = exp2_ps(_mm256_sub_ps(_mm256_loadu_ps(row + c), mv));
+        _mm256_storeu_ps(row + c, p);
+        sum = _mm256_add_ps(sum, p);
+    }
+    const float alpha = exp2f(*m - m_new);
+    *l = *l * alpha + reduce_add(sum);
+    *m = m_new;
+    return alpha;
+}
+
+static inline const float *paged_row(const float *cache, const int64_t *table, long pos,
+                                     long block_size, long row_stride) {
+    return cache + (table[pos / block_size] * block_size + pos % block_size) * row_stride;
+}
+
+static void decode_item(const struct decode_args *a, long i, int kvh) {
+    const int hd = a->head_dim, nv = hd / 8, group = a->num_heads / a->num_kv_heads;
+    float qv[MAX_GROUP * MAX_HD] __attribute__((aligned(32)));
+    float o[MAX_GROUP * MAX_HD] __attribute__((aligned(32)));
+    float sc[MAX_GROUP * DCH] __attribute__((aligned(32)));
+    float m[MAX_GROUP], l[MAX_GROUP];
+    const float qscale = a->scale * (float)M_LOG2E;
+    for (int r = 0; r < group; r++) {
+        const int head = kvh * group + r;
+        const float *src = a->q + i * a->q_stride_t + head * a->q_stride_h;
+        for (int d = 0; d < hd; d++) qv[r * hd + d] = src[d] * qscale;
+        if (a->prior_out) {  /* the prior part enters as one key: score lse, value its output */
+            memcpy(o + r * hd, a->prior_out + (i * a->num_heads + head) * hd, sizeof(float) * hd);
+            m[r] = a->prior_lse[i * a->num_heads + head] * (float)M_LOG2E;
+            l[r] = 1.0f;
+        } else {
+            memset(o + r * hd, 0, sizeof(float) * hd);
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+    }
+    const int64_t *table = a->tables + i * a->table_stride;
+    const long start = a->starts ? a->starts[i] : 0, end = a->ends[i];
+    const long row_stride = (long)a->num_kv_heads * hd;  /* between positions in a block */
+    for (long p0 = start; p0 < end; p0 += DCH) {
+        const int n = (int)(end - p0 < DCH ? end - p0 : DCH);
+        const int n_pad = (n + 7) & ~7;
+        for (int j = 0; j < n; j++) {
+            const float *kp =
+                paged_row(a->k_cache, table, p0 + j, a->block_size, row_stride) + kvh * hd;
+            for (int r = 0; r < group; r++) {
+                const float *qr = qv + r * hd;
+                __m256 acc = _mm256_mul_ps(_mm256_load_ps(qr), _mm256_loadu_ps(kp));
+                for (int x = 1; x < nv; x++)
+                    acc = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * x),
+                                          _mm256_loadu_ps(kp + 8 * x), acc);
+                sc[r * DCH + j] = reduce_add(acc);
+            }
+        }
+        for (int r = 0; r < group; r++) {
+            float *row = sc + r * DCH;
+            for (int j = n; j < n_pad; j++) row[j] = -INFINITY;
+            const __m256 av = _mm256_set1_ps(online_softmax_block(row, n_pad, m + r, l + r));
+            for (int x = 0; x < nv; x++)
+                _mm256_store_ps(o + r * hd + 8 * x,
+                                _mm256_mul_ps(_mm256_load_ps(o + r * hd + 8 * x), av));
+        }
+        for (int j = 0; j < n; j++) {
+            const float *vp =
+                paged_row(a->v_cache, table, p0 + j, a->block_size, row_stride) + kvh * hd;
+            for (int r = 0; r < group; r++) {
+                const __m256 pr = _mm256_set1_ps(sc[r * DCH + j]);
+                float *orow = o + r * hd;
+                for (int x = 0; x < nv; x++)
+                    _mm256_store_ps(orow + 8 * x, _mm256_fmadd_ps(
+                        pr, _mm256_loadu_ps(vp + 8 * x), _mm256_load_ps(orow + 8 * x)));
+            }
+        }
+    }
+    for (int r = 0; r < group; r++) {
+        const int head = kvh * group + r;
+        float *dst = a->out + (i * a->num_heads + head) * hd;
+        const float inv = 1.0f / l[r];
+        for (int d = 0; d < hd; d++) dst[d] = o[r * hd + d] * inv;
+    }
+}
+
+int kvserve_paged_decode(const struct decode_args *a) {
+    const int hd = a->head_dim;
+    if (hd % 8 || hd > MAX_HD || a->num_heads % a->num_kv_heads ||
+        a->num_heads / a->num_kv_heads > MAX_GROUP)
+        return -1;
+    const long items = a->num_decodes * a->num_kv_heads;
+    long keys = 0;
+    for (long i = 0; i < a->num_decodes; i++) keys += a->ends[i] - (a->starts ? a->starts[i] : 0);
+    /* Small calls run on the calling thread: waking the pool costs more. */
+    const int threads = keys * a->num_heads * hd >= PARALLEL_MIN_WORK ? a->num_threads : 1;
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
+    for (long item = 0; item < items; item++)
+        decode_item(a, item / a->num_kv_heads, (int)(item % a->num_kv_heads));
+    return 0;
+}
