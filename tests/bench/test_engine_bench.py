@@ -75,6 +75,8 @@ def test_json_shape_without_peers(capsys, model_dir):
 def test_precision_modes_run_as_systems_with_their_shares_of_the_limits(capsys, model_dir,
                                                                         monkeypatch):
     monkeypatch.setattr("kvserve.bench.machine.BANDWIDTH_BYTES", 32 << 20)
+    monkeypatch.setattr("kvserve.bench.machine.GEMM_SHAPES",
+                        ((1, 128, 128), (16, 128, 128), (512, 128, 128)))
     cells = run_json(capsys, "--model", str(model_dir), "--peer", "none", "--workload",
                      DECODE_HEAVY, "--precision", "float32", "q8_0", "--machine-limits")
     (cell,) = cells

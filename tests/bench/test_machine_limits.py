@@ -18,12 +18,15 @@ from kvserve.bench.machine import (
 )
 from kvserve.cli import main
 
+# Small GEMMs: this file checks that every kernel is measured and labelled, not the rates (a
+# 2048-wide bf16 GEMM on a CPU without bf16 instructions takes seconds).
+SHAPES = ((1, 128, 128), (16, 128, 128), (512, 128, 128))
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
            "num_key_value_heads": 3, "num_hidden_layers": 30, "vocab_size": 49152}
 
 
 def test_measure_reports_positive_finite_limits_for_every_kernel() -> None:
-    limits = measure(threads=1, repeats=1, bandwidth_bytes=64 << 20)
+    limits = measure(threads=1, repeats=1, bandwidth_bytes=64 << 20, gemm_shapes=SHAPES)
     assert limits.threads == 1 and set(limits.gemm_gflops) == set(KERNELS)
     for rates in limits.gemm_gflops.values():
         assert list(rates) == ["M=1", "M=16", "M=512"]
@@ -45,7 +48,7 @@ def test_bf16_is_measured_on_every_cpu_and_says_which_path(
     if has_onednn_bf16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU lacks oneDNN's bf16 instructions (AVX-512 BF16/BW or AMX)")
     monkeypatch.setattr("kvserve.bench.machine.onednn_bf16", lambda: has_onednn_bf16)
-    limits = measure(threads=1, repeats=1, bandwidth_bytes=16 << 20)
+    limits = measure(threads=1, repeats=1, bandwidth_bytes=16 << 20, gemm_shapes=SHAPES)
     assert all(v > 0 for v in limits.gemm_gflops["bfloat16"].values())
     assert ("runs float32 here" in limits.kernels["bfloat16"]) is not has_onednn_bf16
 
@@ -83,6 +86,7 @@ def test_shares_of_the_limits_are_consistent() -> None:
 def test_the_cli_prints_one_json_object(capsys: pytest.CaptureFixture[str],
                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("kvserve.bench.machine.BANDWIDTH_BYTES", 32 << 20)
+    monkeypatch.setattr("kvserve.bench.machine.GEMM_SHAPES", SHAPES)
     assert main(["bench", "machine", "--threads", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["threads"] == 1 and data["read_gb_s"] > 0

@@ -17,7 +17,8 @@ from tests.model.arch_configs import base_config
 
 SMALL_ENGINE = ["--num-prompts", "2", "--prompt-len", "9", "--output-len", "4", "--prefix-len",
                 "20", "--suffix-len", "5", "--prefix-output-len", "3", "--kv-cache-gib", "0.01",
-                "--threads", "1", "--max-model-len", "256", "--peer", "none"]
+                "--threads", "1", "--max-model-len", "256", "--peer", "none",
+                "--no-machine-limits"]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 

@@ -8,13 +8,16 @@ import sys
 from pathlib import Path
 
 from benchmarks import with_repo_on_path
+from kvserve.runtime.demo_model import ensure_demo_model
 from kvserve.sim.profiles import load_profile
 
 
 def test_a_quick_profile_with_a_real_server_loads_into_the_simulator(tmp_path: Path) -> None:
     out = tmp_path / "profile.json"
+    # The small random-weight demo model: the default (the real 30-layer model) takes minutes.
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "profile", "--quick", "--server",
+         "--model", str(ensure_demo_model()),
          "--threads", "1", "--repeats", "1", "--decode-steps", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=300, env=with_repo_on_path(os.environ),
         check=False)

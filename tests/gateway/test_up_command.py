@@ -13,7 +13,13 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvserve.runtime.demo_model import ensure_demo_model
+
 from .processes import WORKER_FLAGS, Process, wait_until
+
+# The small random-weight demo model where the model does not matter: the real default's
+# start-up and answers are checked in test_up_real_model.py.
+DEMO = f"--model={ensure_demo_model()}"
 
 
 def _serving(url: str) -> bool:
@@ -26,7 +32,7 @@ def _serving(url: str) -> bool:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
 def test_stopping_up_stops_its_workers(tmp_path: Path, sig: signal.Signals) -> None:
     worker_args = [f"--worker-arg={flag}" for flag in WORKER_FLAGS]
-    up = Process("up", ["up", "--workers", "1", *worker_args], tmp_path)
+    up = Process("up", ["up", "--workers", "1", DEMO, *worker_args], tmp_path)
     try:
         up.wait_ready(lambda r: r.status_code == 200)
         workers = re.findall(r"worker at (http://127\.0\.0\.1:\d+), behind the gateway at "

@@ -113,13 +113,15 @@ def _cpu_name() -> str:
     return line.partition(":")[2].strip()
 
 
-def measure(threads: int, repeats: int = 3,
-            bandwidth_bytes: int | None = None) -> MachineLimits:
+def measure(threads: int, repeats: int = 3, bandwidth_bytes: int | None = None,
+            gemm_shapes: tuple[tuple[int, int, int], ...] | None = None) -> MachineLimits:
     """Every limit, with `threads` torch threads (restored after); the bandwidth over buffers of
-    `bandwidth_bytes` (default BANDWIDTH_BYTES; keep it well past the last-level cache)."""
+    `bandwidth_bytes` (default BANDWIDTH_BYTES; keep it well past the last-level cache), the
+    GEMM rates at `gemm_shapes` (M, N, K; default GEMM_SHAPES, sized like a model's layers)."""
     import torch
 
     bandwidth_bytes = bandwidth_bytes or BANDWIDTH_BYTES
+    gemm_shapes = gemm_shapes or GEMM_SHAPES
     from kvserve.bench.engine_systems import torch_threads
 
     limits = MachineLimits(threads=threads, kernels=dict(KERNELS), cpu=_cpu_name())
@@ -128,7 +130,7 @@ def measure(threads: int, repeats: int = 3,
     with torch_threads(threads):
         for dtype in KERNELS:
             limits.gemm_gflops[dtype] = {f"M={m}": _gemm(dtype, m, n, k, repeats)
-                                         for m, n, k in GEMM_SHAPES}
+                                         for m, n, k in gemm_shapes}
         src = torch.ones(bandwidth_bytes // 4)  # [elements] float32
         dst = torch.empty_like(src)
         limits.read_gb_s = bandwidth_bytes / _best_seconds(src.sum, repeats) / 1e9
