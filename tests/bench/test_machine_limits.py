@@ -91,3 +91,23 @@ def test_the_cli_prints_one_json_object(capsys: pytest.CaptureFixture[str],
     data = json.loads(capsys.readouterr().out)
     assert data["threads"] == 1 and data["read_gb_s"] > 0
     assert set(data["kernels"]) == {"float32", "bfloat16", "int8"}
+
+
+def test_a_bf16_run_that_fell_back_to_float32_is_held_to_float32s_limits(tmp_path) -> None:
+    from kvserve.bench.engine_cli import add_limit_shares
+    from kvserve.bench.engine_systems import RunResult
+    from kvserve.bench.engine_workloads import Workload
+
+    (tmp_path / "config.json").write_text(json.dumps(SMOLLM2))
+    limits = MachineLimits(threads=2, gemm_gflops={
+        "float32": {"M=1": 10.0, "M=16": 40.0, "M=512": 200.0},
+        "bfloat16": {"M=1": 2.0, "M=16": 3.0, "M=512": 3.0}}, read_gb_s=20.0)
+    work = Workload("w", ((1,) * 8,), 4, (), 0)
+    runs = [RunResult("kvserve", seconds=1.0, num_output_tokens=4, info={"ran_dtype": ran})
+            for ran in ("float32", "bfloat16")]
+    add_limit_shares(tmp_path, "bfloat16", [work, work], runs, limits)
+    fell_back, native = (r.info["of_limits"] for r in runs)
+    assert fell_back["weight_gb_s"] == pytest.approx(
+        4 * weight_bytes_per_token(SMOLLM2, "float32") / 1e9)
+    assert native["weight_gb_s"] == pytest.approx(fell_back["weight_gb_s"] / 2)
+    assert fell_back["of_gemm_rate"] == pytest.approx(fell_back["gflops"] / 40.0)

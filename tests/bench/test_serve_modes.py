@@ -176,3 +176,22 @@ def test_a_launched_kvserve_in_a_packed_mode_reports_its_label_and_rss(
     assert row["server"] == "kvserve:q8_0" and row["completed"] == 3
     # a kvserve process holds torch and the model: tens of MiB at the very least
     assert 50 < row["start_rss_mib"] <= row["peak_rss_mib"]
+
+
+def test_a_server_stopped_part_way_keeps_the_levels_it_measured(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    why = "c=16: every warm-up request failed (ConnectError); the levels before it stand"
+    runs = [ServerRun("kvserve", "http://a", [level(1), level(4), level(16)]),
+            ServerRun("llamacpp", "http://b", [level(1), level(4)], skipped=why),
+            ServerRun("vllm", None, [], skipped="did not start")]
+    rows = json_rows(runs, [1, 4, 16], {})
+    by = {(r["server"], r["concurrency"]): r for r in rows}
+    assert set(by[("kvserve", 1)]["ratios_vs"]) == {"llamacpp"}
+    assert "ratios_vs" not in by[("kvserve", 16)]
+    assert by[("llamacpp", 4)]["completed"] == 0 and by[("llamacpp", 4)]["stopped_later"] == why
+    assert by[("llamacpp", 16)]["skipped"] == why
+    assert by[("vllm", 1)]["skipped"] == "did not start"
+    print_table(runs, [1, 4, 16], "t")
+    out = capsys.readouterr().out
+    assert f"llamacpp: stopped: {why}" in out and "vllm: skipped: did not start" in out
+    assert out.count("kvserve/llamacpp") == 2

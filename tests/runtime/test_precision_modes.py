@@ -58,3 +58,17 @@ def test_bf16_runs_bf16_where_the_cpu_has_it(model_dir: Path,
     args = EngineArgs(model=str(model_dir), dtype="bfloat16")
     loaded, _ = model_setup.load_rank_model(args, ShardSpec(0, 1), "cpu")
     assert loaded.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("env_on, flag, expected", [
+    (True, True, True), (False, True, False), (True, False, False)])
+def test_the_kernels_run_only_where_the_flag_and_the_environment_allow(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+        env_on: bool, flag: bool, expected: bool) -> None:
+    # ENV_ENABLED is read once at import: KVSERVE_CPU_KERNELS=0 makes it False.
+    from kvserve.model import cpu_kernels
+    monkeypatch.setattr(cpu_kernels, "ENV_ENABLED", env_on)
+    monkeypatch.setattr(cpu_kernels, "_enabled", True)
+    args = EngineArgs(model=str(model_dir), cpu_kernels=flag)
+    model_setup.load_rank_model(args, ShardSpec(0, 1), "cpu")
+    assert cpu_kernels._enabled is expected

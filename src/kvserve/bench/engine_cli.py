@@ -175,14 +175,17 @@ def run_in_process(system: str, model_dir: Path, workloads: list[Workload],
 def add_limit_shares(model_dir: Path, precision: str, workloads: list[Workload],
                      runs: list[RunResult], limits: MachineLimits) -> None:
     """Record in each run's info its shares of the machine's limits (machine.fraction_of_limit;
-    concurrency: the workload's requests, all submitted at once)."""
+    concurrency: the workload's requests, all submitted at once). A bfloat16 run the CPU fell
+    back to float32 on (no bf16 instructions) is held to float32's bytes and GEMM rate."""
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     for w, run in zip(workloads, runs, strict=True):
         if run.skipped is not None or not run.seconds:
             continue
+        mode = "float32" if run.info.get("ran_dtype") == "float32" and precision == "bfloat16" \
+            else precision
         out_per_s = run.num_output_tokens / run.seconds
         all_per_s = (run.num_output_tokens + w.num_prompt_tokens) / run.seconds
-        run.info["of_limits"] = fraction_of_limit(config, precision, limits, out_per_s,
+        run.info["of_limits"] = fraction_of_limit(config, mode, limits, out_per_s,
                                                   len(w.prompts), all_per_s)
 
 

@@ -102,7 +102,9 @@ class KVServeRunner:
 
     def info(self) -> dict[str, Any]:
         a = self.args
-        return {"dtype": a.dtype, "quantization": a.quantization, "block_size": a.block_size,
+        ran = self.engine.runner.kv_caches[0].key_cache.dtype  # the model's (no --kv-cache-dtype)
+        return {"dtype": a.dtype, "ran_dtype": str(ran).removeprefix("torch."),
+                "quantization": a.quantization, "block_size": a.block_size,
                 "max_num_seqs": a.max_num_seqs,
                 "max_num_batched_tokens": a.max_num_batched_tokens,
                 "num_kv_blocks": self.engine.kv_cache.stats().num_blocks}

@@ -110,7 +110,8 @@ def measure(run: ServerRun, model: str, workload: Workload, args: argparse.Names
         records, _ = asyncio.run(run_closed_loop(run.url, warm, c, args.request_timeout))
         failed = [r.error for r in records if r.error]
         if len(failed) == len(records):
-            raise ServerFailed(f"every warm-up request failed: {failed[0]}")
+            raise ServerFailed(f"c={c}: every warm-up request failed ({failed[0]}); the levels "
+                               "before it stand")
         bodies = [completion_body(model, p, args.output_len) for p in workload.timed[c]]
         records, seconds = asyncio.run(run_closed_loop(run.url, bodies, c, args.request_timeout))
         level = LevelSummary.from_records(c, records, seconds)
@@ -125,7 +126,7 @@ def bench_url(url: str, workload: Workload, args: argparse.Namespace, err: Conso
     try:
         measure(run, served_model(run.url or url, args.served_model_name), workload, args, err)
     except (httpx.HTTPError, ServerFailed, KeyError, IndexError, ValueError) as exc:
-        run.skipped, run.levels = f"{type(exc).__name__}: {exc}", []
+        run.skipped = f"{type(exc).__name__}: {exc}"  # the levels measured before it stand
     return run
 
 
@@ -133,7 +134,7 @@ def bench_launched(target: LaunchTarget, spec: LaunchSpec, workload: Workload,
                    args: argparse.Namespace, log_dir: Path, err: Console) -> ServerRun:
     """Launch `target`, measure every level with its process tree's RSS sampled from health to
     the last level (`run.info`: startup_s, start_rss_mib, peak_rss_mib), stop it; a launch or
-    server failure marks the run skipped."""
+    server failure marks the run skipped, keeping the levels measured before it."""
     name = target.label
     run = ServerRun(label=name)
     server = LaunchedServer(target, spec, log_dir, args.startup_timeout)
@@ -144,12 +145,15 @@ def bench_launched(target: LaunchTarget, spec: LaunchSpec, workload: Workload,
             run.info = {"startup_s": round(server.startup_s, 1)}
             err.print(f"[dim]{name}: healthy after {server.startup_s:.0f} s[/]")
             assert server.pid is not None  # started
-            with TreeRssSampler(server.pid) as rss:
-                measure(run, spec.served_model_name, workload, args, err)
-            run.info |= rss.mib()
+            rss = TreeRssSampler(server.pid)
+            try:
+                with rss:
+                    measure(run, spec.served_model_name, workload, args, err)
+            finally:  # the peak so far also holds for a server that failed part way
+                run.info |= rss.mib()
             err.print(f"[dim]{name}: {rss_text(run)}[/]", highlight=False)
     except (LaunchError, ServerFailed, httpx.HTTPError) as exc:
-        run.skipped, run.levels = str(exc), []
+        run.skipped = str(exc)  # the levels measured before it stand
         tail = server.log_tail()
         err.print(f"[yellow]{name}: skipped: {exc}[/]" + (f"\n{tail}" if tail else ""),
                   soft_wrap=True, highlight=False)

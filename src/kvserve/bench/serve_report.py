@@ -23,7 +23,8 @@ from kvserve.bench.serve_load import LevelSummary
 
 @dataclass(slots=True)
 class ServerRun:
-    """One server's results, one summary per concurrency, or the reason it was skipped;
+    """One server's results, one summary per concurrency it reached, in order; `skipped` says why
+    it stopped before the last (or, with no levels, why none was measured);
     `info` holds per-server figures (launched: startup_s, start_rss_mib, peak_rss_mib)."""
 
     label: str
@@ -59,21 +60,32 @@ def ratios(ours: LevelSummary, peer: LevelSummary) -> dict[str, float]:
 RSS_KEYS = ("start_rss_mib", "peak_rss_mib")  # in `ServerRun.info` of launched servers
 
 
+def level_at(run: ServerRun, i: int) -> LevelSummary | None:
+    """The run's summary at the i-th concurrency, None where it stopped before reaching it."""
+    return run.levels[i] if i < len(run.levels) else None
+
+
 def json_rows(runs: list[ServerRun], concurrencies: list[int],
               workload: dict[str, Any]) -> list[dict[str, Any]]:
-    """One object per server x concurrency; the first measured server's carry its ratios."""
-    measured = [r for r in runs if r.skipped is None]
+    """One object per server x concurrency: the level's figures, or `skipped` (why) for a level
+    the server did not reach; the first server that measured any level carries its ratios
+    against every other server measured at the same level."""
+    base = next((r for r in runs if r.levels), None)
     rows = []
     for run in runs:
         for i, c in enumerate(concurrencies):
             row: dict[str, Any] = {"server": run.label, "url": run.url} | workload
-            if run.skipped is not None:
-                rows.append(row | {"concurrency": c, "skipped": run.skipped})
+            s = level_at(run, i)
+            if s is None:
+                rows.append(row | {"concurrency": c, "skipped": run.skipped or "not measured"})
                 continue
-            row |= run.levels[i].as_dict() | dict.fromkeys(RSS_KEYS) | run.info
-            if measured and run is measured[0] and len(measured) > 1:
-                row["ratios_vs"] = {peer.label: ratios(run.levels[i], peer.levels[i])
-                                    for peer in measured[1:]}
+            row |= s.as_dict() | dict.fromkeys(RSS_KEYS) | run.info
+            peers = [(p.label, p_s) for p in runs if p is not run
+                     and (p_s := level_at(p, i)) is not None]
+            if run is base and peers:
+                row["ratios_vs"] = {label: ratios(s, p_s) for label, p_s in peers}
+            if run.skipped is not None:
+                row["stopped_later"] = run.skipped
             rows.append(row)
     return rows
 
@@ -91,34 +103,39 @@ def rss_text(run: ServerRun) -> str:
 
 
 def print_table(runs: list[ServerRun], concurrencies: list[int], title: str) -> None:
-    """Rows per concurrency: each measured server, then first/other ratios; then skips,
-    errors and each measured server's RSS. chunks/tok: non-empty stream chunks per output token
-    (1.00 = one chunk a token)."""
+    """Rows per concurrency: each server that reached it, then first/other ratios; then errors,
+    why a server stopped or was skipped, and each measured server's RSS. chunks/tok: non-empty
+    stream chunks per output token (1.00 = one chunk a token)."""
     table = Table(title=title)
     for col in ("conc", "server", "ok/sent", "chunks/tok", *(name for name, _ in METRICS)):
         table.add_column(col, justify="right")
-    measured = [r for r in runs if r.skipped is None]
+    base = next((r for r in runs if r.levels), None)
     for i, c in enumerate(concurrencies):
-        for run in measured:
+        present = [r for r in runs if level_at(r, i) is not None]
+        for run in present:
             s = run.levels[i]
             table.add_row(str(c), run.label, f"{s.completed}/{s.num_requests}",
                           _fmt(ratio(s.content_chunks, s.output_tokens), 2),
                           *(_fmt(get(s)) for _, get in METRICS))
-        for peer in measured[1:]:
-            r = ratios(measured[0].levels[i], peer.levels[i])
-            table.add_row(str(c), f"{measured[0].label}/{peer.label}", "", "",
+        for peer in present:
+            if base is None or peer is base or base not in present:
+                continue
+            r = ratios(base.levels[i], peer.levels[i])
+            table.add_row(str(c), f"{base.label}/{peer.label}", "", "",
                           *(f"{_fmt(v, 2)}x" for v in r.values()), style="bold")
         table.add_section()
     console = Console(width=None if sys.stdout.isatty() else 160)
     console.print(table)
     for run in runs:
+        for s in run.levels:
+            for err in s.errors:
+                console.print(f"{run.label} c={s.concurrency}: {err}", soft_wrap=True,
+                              highlight=False)
         if run.skipped is not None:
-            console.print(f"{run.label}: skipped: {run.skipped}", soft_wrap=True, highlight=False)
-        else:
-            for s in run.levels:
-                for err in s.errors:
-                    console.print(f"{run.label} c={s.concurrency}: {err}", soft_wrap=True,
-                                  highlight=False)
+            what = "stopped" if run.levels else "skipped"
+            console.print(f"{run.label}: {what}: {run.skipped}", soft_wrap=True,
+                          highlight=False)
+    measured = [r for r in runs if r.levels]
     for run in measured:
         console.print(f"{run.label}: {rss_text(run)}", soft_wrap=True, highlight=False)
     sys.stdout.flush()

@@ -18,7 +18,8 @@ process. Threads: OpenMP, linked to the libgomp that torch's CPU build has alrea
 kernels and torch share one pool; each call passes `torch.get_num_threads()`. ctypes releases
 the GIL for the call.
 
-`KVSERVE_CPU_KERNELS=0` in the environment, or `set_enabled(False)`, turns the kernels off.
+`KVSERVE_CPU_KERNELS=0` in the environment (`ENV_ENABLED` False), or `set_enabled(False)`,
+turns the kernels off; an engine started with `cpu_kernels=True` still honours the variable.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "available", "disabled", "families", "find_compiler", "kernel_set",
-           "library", "set_enabled"]
+__all__ = ["ENV_ENABLED", "FAMILIES", "available", "disabled", "families", "find_compiler",
+           "kernel_set", "library", "set_enabled"]
 
 _LOG = logging.getLogger(__name__)
 _SRC_DIR = Path(__file__).with_name("csrc")
@@ -65,7 +66,8 @@ _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _families: tuple[str, ...] = ()
 _tried = False
-_enabled = os.environ.get("KVSERVE_CPU_KERNELS", "1") != "0"
+ENV_ENABLED = os.environ.get("KVSERVE_CPU_KERNELS", "1") != "0"
+_enabled = ENV_ENABLED
 
 
 def find_compiler() -> str | None:

@@ -36,8 +36,9 @@ def load_rank_model(args: EngineArgs, shard: ShardSpec, device: str) -> tuple[Lo
     loaded = load_model(path, device=device, dtype=dtype, shard=shard, revision=args.revision,
                         cache_dir=args.download_dir, hf_config_path=args.hf_config_path)
     weight_bytes = model_bytes(loaded.model)
-    cpu_kernels.set_enabled(args.cpu_kernels)
-    if args.cpu_kernels and loaded.device.type == "cpu":
+    use_kernels = args.cpu_kernels and cpu_kernels.ENV_ENABLED
+    cpu_kernels.set_enabled(use_kernels)
+    if use_kernels and loaded.device.type == "cpu":
         cpu_kernels.families()  # build now, so the first step does not
     if args.quantization == "gguf":
         if not is_gguf(loaded.path):
