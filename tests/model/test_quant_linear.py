@@ -77,7 +77,9 @@ def test_every_path_computes_the_dequantized_matmul(ggml_type: str, path: str) -
     assert isinstance(layer, expected_type)
     # torch's int4 path rounds activations and scales to bf16; the others stay float32.
     tol = 3e-2 if path == "torch_int4" else 1e-5
-    for tokens in (1, 5, KERNEL_MAX_TOKENS + 8):  # the last one decodes the weight whole
+    # one token, a few (two accumulators each), tiles of 8 with a partial one (13), and more
+    # than the kernels take (the weight decoded whole)
+    for tokens in (1, 3, 13, KERNEL_MAX_TOKENS + 8):
         x = torch.randn(tokens, 128, generator=gen)
         want = x.double() @ dense.t() + bias.double()
         got = layer(x)

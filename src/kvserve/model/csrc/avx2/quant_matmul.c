@@ -4,15 +4,16 @@
  * to float32 once per tile of up to TILE_T tokens. in_features must be a multiple of 32 (the
  * caller checks). Output rows are split over num_threads OpenMP threads. Returns 0.
  *
- * Each token sums into independent accumulators (four for one token, two each for a tile of
- * more): one accumulator would chain every FMA of a row on the previous one's latency, which
- * bounds a decode step's matmuls rather than the decoding or the memory. */
+ * Each call keeps several independent accumulator chains (four for one token, two a token up
+ * to SMALL_T tokens, one a token in tiles of TILE_T): a single chain would wait on every FMA's
+ * latency, which bounds a decode step's matmuls rather than the decoding or the memory. */
 #include <immintrin.h>
 #include <stdint.h>
 
 #include "vec_math.h"
 
-#define TILE_T 4
+#define TILE_T 8  /* tokens a decoded block serves at once (more than SMALL_T) */
+#define SMALL_T 4  /* up to this many tokens: two accumulators a token */
 
 /* The 32 weights of one block as four vectors of 8, decoded to float32. */
 typedef struct { __m256 v[4]; } block32;
@@ -67,25 +68,45 @@ static inline block32 decode_q8(const int8_t *codes, float d) {
         out[n] = reduce_add(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));   \
     } while (0)
 
-/* One output row for a tile of up to TILE_T tokens: two accumulators a token. */
+/* One output row for up to SMALL_T tokens: two accumulators a token. */
+#define ROW_FEW_TOKENS(DECODE)                                                              \
+    do {                                                                                    \
+        __m256 acc[SMALL_T][2];                                                             \
+        for (long t = 0; t < tokens; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();     \
+        for (long b = 0; b < blocks; b++) {                                                 \
+            const block32 w = DECODE;                                                       \
+            for (long t = 0; t < tokens; t++) {                                             \
+                const float *xt = x + t * x_stride + b * 32;                                \
+                acc[t][0] = _mm256_fmadd_ps(w.v[0], _mm256_loadu_ps(xt), acc[t][0]);        \
+                acc[t][1] = _mm256_fmadd_ps(w.v[1], _mm256_loadu_ps(xt + 8), acc[t][1]);    \
+                acc[t][0] = _mm256_fmadd_ps(w.v[2], _mm256_loadu_ps(xt + 16), acc[t][0]);   \
+                acc[t][1] = _mm256_fmadd_ps(w.v[3], _mm256_loadu_ps(xt + 24), acc[t][1]);   \
+            }                                                                               \
+        }                                                                                   \
+        for (long t = 0; t < tokens; t++)                                                   \
+            out[t * out_stride + n] = reduce_add(_mm256_add_ps(acc[t][0], acc[t][1]));      \
+    } while (0)
+
+/* One output row for tiles of up to TILE_T tokens: one accumulator a token, so TILE_T chains
+ * and each decoded block serves TILE_T tokens. */
 #define ROW_TILE(DECODE)                                                                    \
     do {                                                                                    \
         for (long t0 = 0; t0 < tokens; t0 += TILE_T) {                                      \
             const long nt = tokens - t0 < TILE_T ? tokens - t0 : TILE_T;                    \
-            __m256 acc[TILE_T][2];                                                          \
-            for (long t = 0; t < nt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();      \
+            __m256 acc[TILE_T];                                                             \
+            for (long t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();                     \
             for (long b = 0; b < blocks; b++) {                                             \
                 const block32 w = DECODE;                                                   \
                 for (long t = 0; t < nt; t++) {                                             \
                     const float *xt = x + (t0 + t) * x_stride + b * 32;                     \
-                    acc[t][0] = _mm256_fmadd_ps(w.v[0], _mm256_loadu_ps(xt), acc[t][0]);    \
-                    acc[t][1] = _mm256_fmadd_ps(w.v[1], _mm256_loadu_ps(xt + 8), acc[t][1]); \
-                    acc[t][0] = _mm256_fmadd_ps(w.v[2], _mm256_loadu_ps(xt + 16), acc[t][0]); \
-                    acc[t][1] = _mm256_fmadd_ps(w.v[3], _mm256_loadu_ps(xt + 24), acc[t][1]); \
+                    __m256 a = _mm256_fmadd_ps(w.v[0], _mm256_loadu_ps(xt), acc[t]);        \
+                    a = _mm256_fmadd_ps(w.v[1], _mm256_loadu_ps(xt + 8), a);                \
+                    a = _mm256_fmadd_ps(w.v[2], _mm256_loadu_ps(xt + 16), a);               \
+                    acc[t] = _mm256_fmadd_ps(w.v[3], _mm256_loadu_ps(xt + 24), a);          \
                 }                                                                           \
             }                                                                               \
             for (long t = 0; t < nt; t++)                                                   \
-                out[(t0 + t) * out_stride + n] = reduce_add(_mm256_add_ps(acc[t][0], acc[t][1])); \
+                out[(t0 + t) * out_stride + n] = reduce_add(acc[t]);                        \
         }                                                                                   \
     } while (0)
 
@@ -99,6 +120,8 @@ int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes, const
         const float *d = scale + n * blocks, *m = min + n * blocks;
         if (tokens == 1)
             ROW_ONE_TOKEN(decode_q4(row + b * 16, d[b], m[b]));
+        else if (tokens <= SMALL_T)
+            ROW_FEW_TOKENS(decode_q4(row + b * 16, d[b], m[b]));
         else
             ROW_TILE(decode_q4(row + b * 16, d[b], m[b]));
     }
@@ -115,6 +138,8 @@ int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes, const 
         const float *d = scale + n * blocks;
         if (tokens == 1)
             ROW_ONE_TOKEN(decode_q8(row + b * 32, d[b]));
+        else if (tokens <= SMALL_T)
+            ROW_FEW_TOKENS(decode_q8(row + b * 32, d[b]));
         else
             ROW_TILE(decode_q8(row + b * 32, d[b]));
     }
