@@ -43,11 +43,11 @@ def test_the_gguf_blocks_give_the_dequantized_logits() -> None:
     assert isinstance(layer.mlp.packed_gate_up, BlockKernelLinear | Int4Linear)
     dense, _ = _logits(EngineArgs(model=str(F32_DIR)), ids)
     assert torch.equal(packed.argmax(-1), dense.argmax(-1))
-    if isinstance(layer.mlp.packed_gate_up, BlockKernelLinear):  # float32 activations
-        torch.testing.assert_close(packed, dense, rtol=1e-3, atol=1e-3)
+    error = (packed - dense).abs()
+    spread = (dense.max() - dense.min()).item()
+    if isinstance(layer.mlp.packed_gate_up, BlockKernelLinear):  # int16 activations a block
+        assert error.max().item() < 5e-4 * spread and error.mean().item() < 1e-4 * spread
     else:  # torch's int4 op rounds activations and scales to bf16 in each of 30 layers
-        error = (packed - dense).abs()
-        spread = (dense.max() - dense.min()).item()
         assert error.max().item() < 0.02 * spread and error.mean().item() < 0.005 * spread
 
 

@@ -5,7 +5,9 @@ memory bandwidth. Q4_0, Q4_1 and Q8_0 weights (ggml_blocks) stay packed and run,
 time by what this machine has:
 
 1. kvserve's C kernels (csrc/quant_matmul.c for AVX-512, csrc/avx2/quant_matmul.c for AVX2):
-   codes decoded in registers, float32 activations and accumulation. Batches of more than
+   each block's dot product in integers: codes widened to int16 in registers, activations
+   rounded to int16 per block of 32 (scale max|x| / 32767: 256 times finer than ggml's int8,
+   which moved greedy tokens on real chats), float32 scales and accumulation. Batches of more than
    `KERNEL_MAX_TOKENS` rows (prefill) instead decode the whole weight to float32 for the call
    and run a dense matmul, which reuses each decoded weight for every row (measured faster
    there; docs/benchmarks.md).
@@ -101,14 +103,17 @@ class BlockKernelLinear:
         out = torch.empty(tokens, self.out_features)  # [T, out]
         threads = torch.get_num_threads()
         if self.is_q8:
-            lib.kvserve_q8_matmul(x32.data_ptr(), x32.stride(0), self.codes.data_ptr(),
-                                  self.scale.data_ptr(), out.data_ptr(), self.out_features,
-                                  tokens, self.out_features, self.in_features, threads)
+            rc = lib.kvserve_q8_matmul(x32.data_ptr(), x32.stride(0), self.codes.data_ptr(),
+                                       self.scale.data_ptr(), out.data_ptr(), self.out_features,
+                                       tokens, self.out_features, self.in_features, threads)
         else:
-            lib.kvserve_q4_matmul(x32.data_ptr(), x32.stride(0), self.codes.data_ptr(),
-                                  self.scale.data_ptr(), self.min.data_ptr(), out.data_ptr(),
-                                  self.out_features, tokens, self.out_features,
-                                  self.in_features, threads)
+            rc = lib.kvserve_q4_matmul(x32.data_ptr(), x32.stride(0), self.codes.data_ptr(),
+                                       self.scale.data_ptr(), self.min.data_ptr(),
+                                       out.data_ptr(), self.out_features, tokens,
+                                       self.out_features, self.in_features, threads)
+        if rc != 0:  # tokens are in range here, so only the activations' scratch can fail
+            raise MemoryError(f"kvserve's quantized matmul could not allocate the int16 "
+                              f"activations of {tokens} rows x {self.in_features}")
         if self.bias is not None:
             out += self.bias
         return _out_dtype(out, x)

@@ -1,130 +1,168 @@
-/* Weight-only quantized matmuls for x86-64 CPUs with AVX2 and FMA (no AVX-512): the kernels,
- * names, layouts and contracts of ../quant_matmul.c at 8 lanes. out = x @ w.T, float32
- * activations and accumulation, w kept in GGUF-style blocks of 32 weights, each block decoded
- * to float32 once per tile of up to TILE_T tokens. in_features must be a multiple of 32 (the
- * caller checks). Output rows are split over num_threads OpenMP threads. Returns 0.
+/* Weight-only quantized matmuls for x86-64 CPUs with AVX2 and FMA (no AVX-512): the names,
+ * weight layouts and contracts of ../quant_matmul.c. out = x @ w.T with w kept in GGUF-style
+ * blocks of 32 weights and each block's dot product taken in integers: the weight codes
+ * widened to int16, each token's activations quantized to int16 per block of 32 (symmetric,
+ * scale dx = max|x| / 32767), vpmaddwd (16 products an instruction), then one float32 FMA a
+ * block. Decoding every weight to float32 instead costs two conversions a weight, which on
+ * AVX2 (and more so on Zen 1, which splits each 256-bit operation in two) bounds the matmul
+ * well below the integer one (docs/benchmarks.md). int16 rather than ggml's int8 activations:
+ * the rounding error (|e_j| <= dx / 2) is 256 times smaller, so the result stays within float32
+ * rounding noise of the dequantized matmul (int8 moved greedy tokens on real chats).
  *
- * Each call keeps several independent accumulator chains (four for one token, two a token up
- * to SMALL_T tokens, one a token in tiles of TILE_T): a single chain would wait on every FMA's
- * latency, which bounds a decode step's matmuls rather than the decoding or the memory. */
+ * Q4_0/Q4_1 (w = q * d + m, q in 0..15): sum_j w_j x_j = d * dx * sum_j q_j xq_j + m * S, with
+ * S = sum_j x_j exact in float32 (once a token and block). Q8_0 (w = q * d): d * dx * sum_j
+ * q_j xq_j. Products fit int32: |q| <= 127, |xq| <= 32767, 32 of them.
+ *
+ * in_features must be a multiple of 32 (the caller checks); 1 <= tokens <= MAX_TOKENS. Output
+ * rows are split over num_threads OpenMP threads. Returns 0, or -1 when tokens is out of range
+ * or the activation scratch could not be allocated. */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "vec_math.h"
 
-#define TILE_T 8  /* tokens a decoded block serves at once (more than SMALL_T) */
-#define SMALL_T 4  /* up to this many tokens: two accumulators a token */
+#define TILE_T 4        /* tokens a loaded weight block serves at once */
+#define MAX_TOKENS 4096 /* a sanity bound on one call's rows */
 
-/* The 32 weights of one block as four vectors of 8, decoded to float32. */
-typedef struct { __m256 v[4]; } block32;
+/* Each token's activations: int16 codes (32 a block), and per block the scale and exact sum. */
+typedef struct { int16_t *q; float *d; float *sum; } act_rows;
 
-static inline __m256 u8_to_ps(__m128i bytes) {  /* the low 8 bytes, unsigned, as 8 floats */
-    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+static int quantize_rows(const float *x, long x_stride, long tokens, long in_features,
+                         act_rows *r) {
+    const long blocks = in_features / 32;
+    r->q = malloc(sizeof(int16_t) * (size_t)(tokens * in_features));
+    r->d = malloc(sizeof(float) * (size_t)(2 * tokens * blocks));
+    if (r->q == NULL || r->d == NULL) {
+        free(r->q);
+        free(r->d);
+        return -1;
+    }
+    r->sum = r->d + tokens * blocks;
+    for (long t = 0; t < tokens; t++) {
+        for (long b = 0; b < blocks; b++) {
+            const float *xb = x + t * x_stride + b * 32;
+            __m256 amax = _mm256_setzero_ps(), sum = amax;
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            for (int j = 0; j < 32; j += 8) {
+                const __m256 v = _mm256_loadu_ps(xb + j);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
+                sum = _mm256_add_ps(sum, v);
+            }
+            const float m = reduce_max(amax);
+            const __m256 inv = _mm256_set1_ps(m > 0.0f ? 32767.0f / m : 0.0f);
+            int16_t *q = r->q + t * in_features + b * 32;
+            for (int j = 0; j < 32; j += 16) {  /* round to nearest even, pack to int16 */
+                const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j), inv));
+                const __m256i c = _mm256_cvtps_epi32(
+                    _mm256_mul_ps(_mm256_loadu_ps(xb + j + 8), inv));
+                const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8);
+                _mm256_storeu_si256((__m256i *)(q + j), packed);
+            }
+            r->d[t * blocks + b] = m / 32767.0f;
+            r->sum[t * blocks + b] = reduce_add(sum);
+        }
+    }
+    return 0;
 }
 
-static inline __m256 i8_to_ps(__m128i bytes) {  /* the low 8 bytes, signed, as 8 floats */
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-}
+/* A block's 32 weight codes as int16: weights 0..15 and 16..31. */
+typedef struct { __m256i lo, hi; } codes16;
 
-/* Q4_0/Q4_1: weight j in the low nibble of byte j, weight j + 16 in its high nibble;
- * w = q * d + m. */
-static inline block32 decode_q4(const uint8_t *codes, float d, float m) {
-    const __m128i low_mask = _mm_set1_epi8(0x0F);
-    const __m128i q = _mm_loadu_si128((const __m128i *)codes);
-    const __m128i lo = _mm_and_si128(q, low_mask);
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), low_mask);
-    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m);
-    block32 w = {{_mm256_fmadd_ps(u8_to_ps(lo), vd, vm),
-                  _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(lo, 8)), vd, vm),
-                  _mm256_fmadd_ps(u8_to_ps(hi), vd, vm),
-                  _mm256_fmadd_ps(u8_to_ps(_mm_srli_si128(hi, 8)), vd, vm)}};
+/* Q4: weight j in the low nibble of byte j, weight j + 16 in its high nibble. */
+static inline codes16 q4_codes(const uint8_t *codes) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)codes), mask = _mm_set1_epi8(0x0F);
+    codes16 w = {_mm256_cvtepu8_epi16(_mm_and_si128(q, mask)),
+                 _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), mask))};
     return w;
 }
 
-/* Q8_0: 32 signed bytes; w = q * d. */
-static inline block32 decode_q8(const int8_t *codes, float d) {
-    const __m256 vd = _mm256_set1_ps(d);
-    const __m128i q0 = _mm_loadu_si128((const __m128i *)codes);
-    const __m128i q1 = _mm_loadu_si128((const __m128i *)(codes + 16));
-    block32 w = {{_mm256_mul_ps(i8_to_ps(q0), vd),
-                  _mm256_mul_ps(i8_to_ps(_mm_srli_si128(q0, 8)), vd),
-                  _mm256_mul_ps(i8_to_ps(q1), vd),
-                  _mm256_mul_ps(i8_to_ps(_mm_srli_si128(q1, 8)), vd)}};
+static inline codes16 q8_codes(const int8_t *codes) {
+    codes16 w = {_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)codes)),
+                 _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + 16)))};
     return w;
 }
 
-/* One output row for one token: four accumulators, one per vector of the block. */
-#define ROW_ONE_TOKEN(DECODE)                                                               \
+/* sum_j w_j xq_j over one block (xq: the token's 32 int16 codes), as 8 float partial sums. */
+static inline __m256 block_dot(codes16 w, const int16_t *xq) {
+    const __m256i lo = _mm256_madd_epi16(w.lo, _mm256_loadu_si256((const __m256i *)xq));
+    const __m256i hi = _mm256_madd_epi16(w.hi, _mm256_loadu_si256((const __m256i *)(xq + 16)));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+}
+
+/* One row for one token (its codes, scales and sums at xq, xd, xs): two accumulators (even and
+ * odd blocks), so no block's sum waits on the previous one's. W_CODES(b) loads block b's
+ * codes; OFFSET(s, b) is the float term of block b for a token whose block sum is s. */
+#define ONE_TOKEN_ROW(W_CODES, OFFSET, xq, xd, xs, dst)                                     \
     do {                                                                                    \
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                         \
-        for (long b = 0; b < blocks; b++) {                                                 \
-            const block32 w = DECODE;                                                       \
-            const float *xb = x + b * 32;                                                   \
-            a0 = _mm256_fmadd_ps(w.v[0], _mm256_loadu_ps(xb), a0);                          \
-            a1 = _mm256_fmadd_ps(w.v[1], _mm256_loadu_ps(xb + 8), a1);                      \
-            a2 = _mm256_fmadd_ps(w.v[2], _mm256_loadu_ps(xb + 16), a2);                     \
-            a3 = _mm256_fmadd_ps(w.v[3], _mm256_loadu_ps(xb + 24), a3);                     \
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0;                                           \
+        float off = 0.0f;                                                                   \
+        long b = 0;                                                                         \
+        for (; b + 1 < blocks; b += 2) {                                                    \
+            a0 = _mm256_fmadd_ps(block_dot(W_CODES(b), (xq) + b * 32),                      \
+                                 _mm256_set1_ps(d[b] * (xd)[b]), a0);                       \
+            a1 = _mm256_fmadd_ps(block_dot(W_CODES(b + 1), (xq) + b * 32 + 32),             \
+                                 _mm256_set1_ps(d[b + 1] * (xd)[b + 1]), a1);               \
+            off += OFFSET((xs)[b], b) + OFFSET((xs)[b + 1], b + 1);                         \
         }                                                                                   \
-        out[n] = reduce_add(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));   \
+        if (b < blocks) {                                                                   \
+            a0 = _mm256_fmadd_ps(block_dot(W_CODES(b), (xq) + b * 32),                      \
+                                 _mm256_set1_ps(d[b] * (xd)[b]), a0);                       \
+            off += OFFSET((xs)[b], b);                                                      \
+        }                                                                                   \
+        (dst) = reduce_add(_mm256_add_ps(a0, a1)) + off;                                    \
     } while (0)
 
-/* One output row for up to SMALL_T tokens: two accumulators a token. */
-#define ROW_FEW_TOKENS(DECODE)                                                              \
+/* One row for all tokens: whole tiles of TILE_T tokens share each loaded block, one
+ * accumulator a token (unrolled, so they stay in registers); the tokens after the last whole
+ * tile go one by one. Arguments as ONE_TOKEN_ROW's. */
+#define ROW(W_CODES, OFFSET)                                                                \
     do {                                                                                    \
-        __m256 acc[SMALL_T][2];                                                             \
-        for (long t = 0; t < tokens; t++) acc[t][0] = acc[t][1] = _mm256_setzero_ps();     \
-        for (long b = 0; b < blocks; b++) {                                                 \
-            const block32 w = DECODE;                                                       \
-            for (long t = 0; t < tokens; t++) {                                             \
-                const float *xt = x + t * x_stride + b * 32;                                \
-                acc[t][0] = _mm256_fmadd_ps(w.v[0], _mm256_loadu_ps(xt), acc[t][0]);        \
-                acc[t][1] = _mm256_fmadd_ps(w.v[1], _mm256_loadu_ps(xt + 8), acc[t][1]);    \
-                acc[t][0] = _mm256_fmadd_ps(w.v[2], _mm256_loadu_ps(xt + 16), acc[t][0]);   \
-                acc[t][1] = _mm256_fmadd_ps(w.v[3], _mm256_loadu_ps(xt + 24), acc[t][1]);   \
-            }                                                                               \
-        }                                                                                   \
-        for (long t = 0; t < tokens; t++)                                                   \
-            out[t * out_stride + n] = reduce_add(_mm256_add_ps(acc[t][0], acc[t][1]));      \
-    } while (0)
-
-/* One output row for tiles of up to TILE_T tokens: one accumulator a token, so TILE_T chains
- * and each decoded block serves TILE_T tokens. */
-#define ROW_TILE(DECODE)                                                                    \
-    do {                                                                                    \
-        for (long t0 = 0; t0 < tokens; t0 += TILE_T) {                                      \
-            const long nt = tokens - t0 < TILE_T ? tokens - t0 : TILE_T;                    \
+        long t0 = 0;                                                                        \
+        for (; t0 + TILE_T <= tokens; t0 += TILE_T) {                                       \
             __m256 acc[TILE_T];                                                             \
-            for (long t = 0; t < nt; t++) acc[t] = _mm256_setzero_ps();                     \
+            float off[TILE_T];                                                              \
+            _Pragma("GCC unroll 8") for (int t = 0; t < TILE_T; t++) {                      \
+                acc[t] = _mm256_setzero_ps();                                               \
+                off[t] = 0.0f;                                                              \
+            }                                                                               \
             for (long b = 0; b < blocks; b++) {                                             \
-                const block32 w = DECODE;                                                   \
-                for (long t = 0; t < nt; t++) {                                             \
-                    const float *xt = x + (t0 + t) * x_stride + b * 32;                     \
-                    __m256 a = _mm256_fmadd_ps(w.v[0], _mm256_loadu_ps(xt), acc[t]);        \
-                    a = _mm256_fmadd_ps(w.v[1], _mm256_loadu_ps(xt + 8), a);                \
-                    a = _mm256_fmadd_ps(w.v[2], _mm256_loadu_ps(xt + 16), a);               \
-                    acc[t] = _mm256_fmadd_ps(w.v[3], _mm256_loadu_ps(xt + 24), a);          \
+                const codes16 w = W_CODES(b);                                               \
+                _Pragma("GCC unroll 8") for (int t = 0; t < TILE_T; t++) {                  \
+                    const long tb = (t0 + t) * blocks + b;                                  \
+                    acc[t] = _mm256_fmadd_ps(                                               \
+                        block_dot(w, xr.q + (t0 + t) * in_features + b * 32),               \
+                        _mm256_set1_ps(d[b] * xr.d[tb]), acc[t]);                           \
+                    off[t] += OFFSET(xr.sum[tb], b);                                        \
                 }                                                                           \
             }                                                                               \
-            for (long t = 0; t < nt; t++)                                                   \
-                out[(t0 + t) * out_stride + n] = reduce_add(acc[t]);                        \
+            _Pragma("GCC unroll 8") for (int t = 0; t < TILE_T; t++)                        \
+                out[(t0 + t) * out_stride + n] = reduce_add(acc[t]) + off[t];               \
         }                                                                                   \
+        for (; t0 < tokens; t0++)                                                           \
+            ONE_TOKEN_ROW(W_CODES, OFFSET, xr.q + t0 * in_features, xr.d + t0 * blocks,     \
+                          xr.sum + t0 * blocks, out[t0 * out_stride + n]);                  \
     } while (0)
 
 int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes, const float *scale,
                       const float *min, float *out, long out_stride, long tokens,
                       long out_features, long in_features, int num_threads) {
     const long blocks = in_features / 32;
+    act_rows xr;
+    if (tokens < 1 || tokens > MAX_TOKENS ||
+        quantize_rows(x, x_stride, tokens, in_features, &xr) != 0)
+        return -1;
+#define Q4_CODES(b) q4_codes(row + (b) * 16)
+#define MIN_TERM(sum, b) (m[b] * (sum))
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (out_features >= 64)
     for (long n = 0; n < out_features; n++) {
         const uint8_t *row = codes + n * (in_features / 2);
         const float *d = scale + n * blocks, *m = min + n * blocks;
-        if (tokens == 1)
-            ROW_ONE_TOKEN(decode_q4(row + b * 16, d[b], m[b]));
-        else if (tokens <= SMALL_T)
-            ROW_FEW_TOKENS(decode_q4(row + b * 16, d[b], m[b]));
-        else
-            ROW_TILE(decode_q4(row + b * 16, d[b], m[b]));
+        ROW(Q4_CODES, MIN_TERM);
     }
+    free(xr.q);
+    free(xr.d);
     return 0;
 }
 
@@ -132,16 +170,19 @@ int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes, const 
                       float *out, long out_stride, long tokens, long out_features,
                       long in_features, int num_threads) {
     const long blocks = in_features / 32;
+    act_rows xr;
+    if (tokens < 1 || tokens > MAX_TOKENS ||
+        quantize_rows(x, x_stride, tokens, in_features, &xr) != 0)
+        return -1;
+#define Q8_CODES(b) q8_codes(row + (b) * 32)
+#define NO_TERM(sum, b) 0.0f
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (out_features >= 64)
     for (long n = 0; n < out_features; n++) {
         const int8_t *row = codes + n * in_features;
         const float *d = scale + n * blocks;
-        if (tokens == 1)
-            ROW_ONE_TOKEN(decode_q8(row + b * 32, d[b]));
-        else if (tokens <= SMALL_T)
-            ROW_FEW_TOKENS(decode_q8(row + b * 32, d[b]));
-        else
-            ROW_TILE(decode_q8(row + b * 32, d[b]));
+        ROW(Q8_CODES, NO_TERM);
     }
+    free(xr.q);
+    free(xr.d);
     return 0;
 }
