@@ -9,8 +9,8 @@ time by what this machine has:
    rounded to int16 per block of 32 (scale max|x| / 32767: 256 times finer than ggml's int8,
    which moved greedy tokens on real chats), float32 scales and accumulation. Batches of more than
    `KERNEL_MAX_TOKENS` rows (prefill) instead decode the whole weight to float32 for the call
-   and run a dense matmul, which reuses each decoded weight for every row (measured faster
-   there; docs/benchmarks.md).
+   and run a dense matmul, which reuses each decoded weight for every row (on SmolLM2's shapes
+   the two are equal at 128 rows and the kernels ahead below; docs/benchmarks.md).
 2. Where those kernels are off (no AVX2 or no C compiler): PyTorch's groupwise int4 CPU op
    (`_weight_int4pack_mm_for_cpu`, group 32), vectorised by ATen for the CPU it finds. Its
    w = (q - 8) * scale + zero holds Q4_0 as (d, 0) and Q4_1 as (d, m + 8d) exactly; Q8_0 is
@@ -43,7 +43,7 @@ __all__ = [
 
 _LOG = logging.getLogger(__name__)
 KERNELS = ("auto", "torch_int4", "portable")
-KERNEL_MAX_TOKENS = 32  # rows per call the C kernels serve; more decode the weight whole
+KERNEL_MAX_TOKENS = 64  # rows per call the C kernels serve; more decode the weight whole
 
 
 def int4_op_available() -> bool:
