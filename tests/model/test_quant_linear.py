@@ -110,6 +110,17 @@ def test_every_path_computes_the_dequantized_matmul(ggml_type: str, path: str) -
         assert layer(x.bfloat16()).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_the_kernels_decode_the_weight_as_torch_does(ggml_type: str) -> None:
+    """Prefill (more rows than KERNEL_MAX_TOKENS) multiplies by the weight the kernels decode."""
+    lib = cpu_kernels.library("quant")
+    if lib is None:
+        pytest.skip("kvserve's CPU kernels need x86-64 with AVX2 or AVX-512 and a C compiler")
+    layer = BlockKernelLinear(_weight(ggml_type, out=80, inp=160), None)  # 80 rows: threaded
+    torch.testing.assert_close(layer.decoded_by_kernel(lib), dequantize(_weight(
+        ggml_type, out=80, inp=160)), rtol=1e-6, atol=1e-7)
+
+
 def test_auto_without_kvserves_kernels_takes_torchs_int4_op() -> None:
     with cpu_kernels.disabled():
         assert isinstance(make_quantized_linear(_weight("Q4_1")), Int4Linear)

@@ -56,7 +56,9 @@ FAMILIES: dict[str, dict[str, tuple[Any, ...]]] = {  # family: kernel: its param
                   "kvserve_silu_mul": (_P, _L, _P, _L, _L, _L, _I),
                   "kvserve_rotary": (_P, _L, _L, _L, _L, _L, _P, _P, _I)},
     "quant": {"kvserve_q4_matmul": (_P, _L, _P, _P, _P, _P, _L, _L, _L, _L, _I),
-              "kvserve_q8_matmul": (_P, _L, _P, _P, _P, _L, _L, _L, _L, _I)},
+              "kvserve_q8_matmul": (_P, _L, _P, _P, _P, _L, _L, _L, _L, _I),
+              "kvserve_q4_dequantize": (_P, _P, _P, _P, _L, _L, _I),
+              "kvserve_q8_dequantize": (_P, _P, _P, _L, _L, _I)},
 }
 _KERNEL_SETS = {  # ISA: (source folder under csrc/, the families its sources export)
     "avx512": ("", ("attention", "paged_decode", "pointwise", "quant")),

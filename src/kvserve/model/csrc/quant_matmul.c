@@ -166,3 +166,44 @@ int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes, const 
     free(xr.d);
     return 0;
 }
+
+/* The weights in float32, out [rows, in_features] = scale * q + min (q4) or scale * q (q8),
+ * for matmuls of more rows than the integer kernels pay for (prefill): a multiply and an add,
+ * not fused, so each weight equals quant_linear's torch decoding. Returns 0. */
+int kvserve_q4_dequantize(const uint8_t *codes, const float *scale, const float *min,
+                          float *out, long rows, long in_features, int num_threads) {
+    const long blocks = in_features / 32;
+    const __m128i mask = _mm_set1_epi8(0x0F);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 64)
+    for (long n = 0; n < rows; n++) {
+        for (long b = 0; b < blocks; b++) {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(codes + (n * blocks + b) * 16));
+            const __m512 d = _mm512_set1_ps(scale[n * blocks + b]);
+            const __m512 m = _mm512_set1_ps(min[n * blocks + b]);
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
+            const __m512 hi = _mm512_cvtepi32_ps(
+                _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
+            float *o = out + n * in_features + b * 32;
+            _mm512_storeu_ps(o, _mm512_add_ps(_mm512_mul_ps(lo, d), m));
+            _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_mul_ps(hi, d), m));
+        }
+    }
+    return 0;
+}
+
+int kvserve_q8_dequantize(const int8_t *codes, const float *scale, float *out, long rows,
+                          long in_features, int num_threads) {
+    const long blocks = in_features / 32;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 64)
+    for (long n = 0; n < rows; n++) {
+        for (long b = 0; b < blocks; b++) {
+            const int8_t *q = codes + n * in_features + b * 32;
+            const __m512 d = _mm512_set1_ps(scale[n * blocks + b]);
+            float *o = out + n * in_features + b * 32;
+            for (int j = 0; j < 32; j += 16)
+                _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                    _mm_loadu_si128((const __m128i *)(q + j)))), d));
+        }
+    }
+    return 0;
+}

@@ -186,3 +186,44 @@ int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes, const 
     free(xr.d);
     return 0;
 }
+
+/* The weights in float32: ../quant_matmul.c's kvserve_q4_dequantize / kvserve_q8_dequantize at
+ * 8 lanes (a multiply and an add, not fused, as quant_linear's torch decoding). Returns 0. */
+int kvserve_q4_dequantize(const uint8_t *codes, const float *scale, const float *min,
+                          float *out, long rows, long in_features, int num_threads) {
+    const long blocks = in_features / 32;
+    const __m128i mask = _mm_set1_epi8(0x0F);
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 64)
+    for (long n = 0; n < rows; n++) {
+        for (long b = 0; b < blocks; b++) {
+            const __m128i q = _mm_loadu_si128((const __m128i *)(codes + (n * blocks + b) * 16));
+            const __m128i lo = _mm_and_si128(q, mask);
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
+            const __m256 d = _mm256_set1_ps(scale[n * blocks + b]);
+            const __m256 m = _mm256_set1_ps(min[n * blocks + b]);
+            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            float *o = out + n * in_features + b * 32;
+            for (int j = 0; j < 4; j++)
+                _mm256_storeu_ps(o + 8 * j, _mm256_add_ps(_mm256_mul_ps(
+                    _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), d), m));
+        }
+    }
+    return 0;
+}
+
+int kvserve_q8_dequantize(const int8_t *codes, const float *scale, float *out, long rows,
+                          long in_features, int num_threads) {
+    const long blocks = in_features / 32;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 64)
+    for (long n = 0; n < rows; n++) {
+        for (long b = 0; b < blocks; b++) {
+            const int8_t *q = codes + n * in_features + b * 32;
+            const __m256 d = _mm256_set1_ps(scale[n * blocks + b]);
+            float *o = out + n * in_features + b * 32;
+            for (int j = 0; j < 32; j += 8)
+                _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                    _mm_loadl_epi64((const __m128i *)(q + j)))), d));
+        }
+    }
+    return 0;
+}
