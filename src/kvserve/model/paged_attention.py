@@ -200,9 +200,11 @@ def _decode_attention(query: torch.Tensor, kv_cache: KVCache, plan: DecodeBatch,
     keys = keys[:, : plan.max_seq_len].transpose(1, 2)  # [D, kv_heads, max_seq_len, hd]
     values = values[:, : plan.max_seq_len].transpose(1, 2)  # [D, kv_heads, max_seq_len, hd]
     mask = plan.mask(sliding_window)[:, None, None, :]  # [D, 1, 1, max_seq_len]
+    # On CPUs ATen's masked SDPA in bf16/fp16 is a scalar path: run it in float32 there.
+    compute = torch.float32 if query.device.type == "cpu" else query.dtype
     out = F.scaled_dot_product_attention(
-        query[:, :, None, :],  # [D, H, 1, hd]
-        keys, values, attn_mask=mask, scale=scale,
+        query[:, :, None, :].to(compute),  # [D, H, 1, hd]
+        keys.to(compute), values.to(compute), attn_mask=mask, scale=scale,
         enable_gqa=query.shape[1] != keys.shape[1],
     )  # [D, H, 1, hd]
-    return out[:, :, 0, :]
+    return out[:, :, 0, :].to(query.dtype)
