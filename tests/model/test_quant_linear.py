@@ -116,9 +116,10 @@ def test_the_kernels_decode_the_weight_as_torch_does(ggml_type: str) -> None:
     lib = cpu_kernels.library("quant")
     if lib is None:
         pytest.skip("kvserve's CPU kernels need x86-64 with AVX2 or AVX-512 and a C compiler")
-    layer = BlockKernelLinear(_weight(ggml_type, out=80, inp=160), None)  # 80 rows: threaded
-    torch.testing.assert_close(layer.decoded_by_kernel(lib), dequantize(_weight(
-        ggml_type, out=80, inp=160)), rtol=1e-6, atol=1e-7)
+    weight = _weight(ggml_type, out=80, inp=160)  # 80 rows: threaded
+    layer = BlockKernelLinear(weight, None)
+    torch.testing.assert_close(layer.decoded_by_kernel(lib), dequantize(weight),
+                               rtol=1e-6, atol=1e-7)
 
 
 def test_auto_without_kvserves_kernels_takes_torchs_int4_op() -> None:

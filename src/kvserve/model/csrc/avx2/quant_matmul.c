@@ -17,7 +17,6 @@
  * rows are split over num_threads OpenMP threads. Returns 0, or -1 when tokens is out of range
  * or the activation scratch could not be allocated. */
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 
