@@ -92,12 +92,12 @@ def test_masked_keys_get_no_weight():
 
 
 @needs_attention
-@pytest.mark.parametrize("case", ["bfloat16", "head_dim_24", "last_dim_strided",
+@pytest.mark.parametrize("case", ["float16", "head_dim_24", "last_dim_strided",
                                   "disabled", "dtype_mismatch"])
 def test_declines_what_it_does_not_serve(case):
     q, k, v = torch.randn(4, 2, 32), torch.randn(4, 1, 32), torch.randn(4, 1, 32)
-    if case == "bfloat16":
-        q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    if case == "float16":
+        q, k, v = q.half(), k.half(), v.half()
     elif case == "head_dim_24":
         q, k, v = torch.randn(4, 2, 24), torch.randn(4, 1, 24), torch.randn(4, 1, 24)
     elif case == "last_dim_strided":
@@ -110,6 +110,25 @@ def test_declines_what_it_does_not_serve(case):
         assert cpu_attention.attention(q, k, v, 0.2) is not None
     else:
         assert cpu_attention.attention(q, k, v, 0.2) is None
+
+
+@needs_attention
+def test_bfloat16_is_computed_in_float32_and_returned_in_the_querys_dtype():
+    """bf16 q/k/v: exactly the float32 kernel on their widened values, the output rounded to
+    bf16 (a float32 query gets float32 back over bf16 keys); the lse is float32 either way."""
+    gen = torch.Generator().manual_seed(5)
+    q = (3 * torch.randn(37, 6, 64, generator=gen)).bfloat16()
+    k = torch.randn(100, 2, 64, generator=gen).bfloat16()
+    v = torch.randn(100, 2, 64, generator=gen).bfloat16()
+    wide = cpu_attention.attention(q.float(), k.float(), v.float(), 0.125, causal_offset=63,
+                                   with_lse=True)
+    got = cpu_attention.attention(q, k, v, 0.125, causal_offset=63, with_lse=True)
+    mixed = cpu_attention.attention(q.float(), k, v, 0.125, causal_offset=63)
+    assert wide is not None and got is not None and mixed is not None
+    assert got[0].dtype == torch.bfloat16 and got[1] is not None and got[1].dtype == torch.float32
+    torch.testing.assert_close(got[0], wide[0].bfloat16(), atol=0, rtol=0)
+    torch.testing.assert_close(got[1], wide[1], atol=0, rtol=0)
+    torch.testing.assert_close(mixed[0], wide[0], atol=0, rtol=0)
 
 
 @needs_attention
@@ -155,6 +174,43 @@ def test_paged_decode_reads_the_cache_in_place(head_dim, heads, kv_heads, with_w
         k, v = gather(key_cache, tables[i], first, n), gather(value_cache, tables[i], first, n)
         want, _ = reference(query[i:i + 1], k, v, scale, None)
         torch.testing.assert_close(got[i:i + 1].double(), want, atol=2e-5, rtol=1e-5)
+
+
+@needs_paged_decode
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_reads_a_bfloat16_cache_in_place(head_dim, query_dtype):
+    """A bf16 cache is read as its exact float32 values (float32 arithmetic), so the result is
+    float64 attention over those values, rounded to the query's dtype at the end."""
+    gen = torch.Generator().manual_seed(head_dim + 3)
+    bs, lens = 16, [1, 5, 64, 65, 130, 17]
+    query, key_cache, value_cache, tables = paged_case(gen, head_dim, 8, 2, bs, lens)
+    query = query.to(query_dtype)
+    key_cache, value_cache = key_cache.bfloat16(), value_cache.bfloat16()
+    ends = torch.tensor(lens)
+    got = cpu_attention.paged_decode(query, key_cache, value_cache, tables, ends,
+                                      head_dim ** -0.5)
+    assert got is not None and got.dtype == query_dtype
+    for i, n in enumerate(lens):
+        k, v = gather(key_cache, tables[i], 0, n), gather(value_cache, tables[i], 0, n)
+        want, _ = reference(query[i:i + 1], k, v, head_dim ** -0.5, None)
+        if query_dtype == torch.bfloat16:
+            want = want.bfloat16().double()  # one rounding of the float32 result
+        torch.testing.assert_close(got[i:i + 1].double(), want, atol=2e-5 if query_dtype ==
+                                   torch.float32 else 8e-3, rtol=1e-5)
+
+
+@needs_paged_decode
+@pytest.mark.parametrize("case", ["mixed_caches", "float16_cache"])
+def test_paged_decode_declines_caches_it_does_not_read(case):
+    gen = torch.Generator().manual_seed(1)
+    query, key_cache, value_cache, tables = paged_case(gen, 32, 4, 2, 4, [3, 9])
+    if case == "mixed_caches":
+        value_cache = value_cache.bfloat16()
+    else:
+        key_cache, value_cache = key_cache.half(), value_cache.half()
+    assert cpu_attention.paged_decode(query, key_cache, value_cache, tables,
+                                      torch.tensor([3, 9]), 0.2) is None
 
 
 @needs_paged_decode

@@ -1,5 +1,9 @@
 """kvserve's CPU attention kernels (csrc/attention.c) through ctypes: prefill attention and
-paged decode, float32.
+paged decode, computing in float32.
+
+Both take float32 or bfloat16 tensors and return the query's dtype. The paged decode reads a
+bfloat16 cache in place (widening each row as it loads it); prefill attention widens bf16
+q/k/v to float32 copies first, a pass over what the kernel reads anyway.
 
 PyTorch's CPU flash-attention kernel reaches 110-200 GFLOP/s on the prefill shapes that dominate
 a shared-prefix step; this one, register-tiled for AVX-512, 300-440 on the same 2-core machine
@@ -48,8 +52,11 @@ class _DecodeArgs(ctypes.Structure):
             "num_decodes", "table_stride", "block_size", "q_stride_t", "q_stride_h")),
         *((name, ctypes.c_int) for name in (
             "num_heads", "num_kv_heads", "head_dim", "num_threads")),
-        ("scale", ctypes.c_float),
+        ("scale", ctypes.c_float), ("kv_bf16", ctypes.c_int),
     ]
+
+
+_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take (bf16 computed in float32)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, *,
@@ -59,14 +66,15 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
 
     query [q_len, H, hd]; key, value [kv_len, KVH, hd] (H a multiple of KVH; any token and head
     strides, last dim contiguous). `causal_offset` None: every query sees every key; else query
-    i sees keys j <= i + causal_offset (>= 0). Returns out [q_len, H, hd] (contiguous) and, with
-    `with_lse`, lse [q_len, H] (float32 log-sum-exp of each row's scaled scores).
+    i sees keys j <= i + causal_offset (>= 0). Returns out [q_len, H, hd] (contiguous, query's
+    dtype) and, with `with_lse`, lse [q_len, H] (float32 log-sum-exp of each row's scaled
+    scores). Each of the three float32 or bfloat16.
     """
-    if query.device.type != "cpu" or query.dtype != torch.float32:
+    if query.device.type != "cpu" or query.dtype not in _DTYPES:
         return None
     q_len, num_heads, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[0], key.shape[1]
-    if (head_dim not in HEAD_DIMS or key.dtype != query.dtype or value.dtype != query.dtype
+    if (head_dim not in HEAD_DIMS or key.dtype not in _DTYPES or value.dtype not in _DTYPES
             or value.shape != key.shape or num_heads % num_kv_heads or not q_len or not kv_len
             or any(t.stride(-1) != 1 for t in (query, key, value))):
         return None
@@ -76,6 +84,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
     lib = cpu_kernels.library("attention")
     if lib is None:
         return None
+    dtype = query.dtype
+    query, key, value = query.float(), key.float(), value.float()  # no copy where float32
     out = torch.empty(q_len, num_heads, head_dim)
     lse = torch.empty(q_len, num_heads) if with_lse else None
     args = _Args(query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(),
@@ -88,7 +98,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
     if status != 0:
         raise MemoryError(f"CPU attention kernel failed (status {status}): out of memory "
                           f"for {num_kv_heads} x {head_dim} x {kv_len} keys")
-    return out, lse
+    return out.to(dtype), lse
 
 
 def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -102,27 +112,31 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     KVH, hd] (contiguous); tables [D, max_blocks] int64 (row i: decode i's blocks in position
     order); decode i attends to positions [starts[i] (0 when None), ends[i]) (int64 [D];
     ends > starts). `prior` (out [D, H, hd], lse [D, H]): a softmax part over other keys (a
-    shared head), merged in exactly. Returns [D, H, hd] (contiguous).
+    shared head), merged in exactly. Returns [D, H, hd] (contiguous, query's dtype). Caches
+    float32 or bfloat16 (both alike), read in place; a bf16 query is widened first.
     """
-    if query.device.type != "cpu" or query.dtype != torch.float32:
+    if query.device.type != "cpu" or query.dtype not in _DTYPES:
         return None
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
     if (head_dim not in HEAD_DIMS or num_heads % num_kv_heads
             or num_heads // num_kv_heads > MAX_GROUP or query.stride(-1) != 1
-            or key_cache.dtype != query.dtype or value_cache.dtype != query.dtype
+            or key_cache.dtype not in _DTYPES or value_cache.dtype != key_cache.dtype
             or not key_cache.is_contiguous() or not value_cache.is_contiguous()
             or tables.dtype != torch.int64 or tables.stride(-1) != 1):
         return None
     lib = cpu_kernels.library("paged_decode")
     if lib is None:
         return None
+    dtype = query.dtype
+    if dtype != torch.float32:
+        query = query.float()
     ends = ends.to(torch.int64).contiguous()
     if starts is not None:
         starts = starts.to(torch.int64).contiguous()
     prior_out = prior_lse = None
     if prior is not None:
-        prior_out, prior_lse = prior[0].contiguous(), prior[1].float().contiguous()
+        prior_out, prior_lse = prior[0].float().contiguous(), prior[1].float().contiguous()
     out = torch.empty(num_decodes, num_heads, head_dim)
     args = _DecodeArgs(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), tables.data_ptr(),
@@ -130,7 +144,8 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         None if prior_out is None else prior_out.data_ptr(),
         None if prior_lse is None else prior_lse.data_ptr(), out.data_ptr(),
         num_decodes, tables.stride(0), key_cache.shape[1], query.stride(0), query.stride(1),
-        num_heads, num_kv_heads, head_dim, torch.get_num_threads(), scale)
+        num_heads, num_kv_heads, head_dim, torch.get_num_threads(), scale,
+        int(key_cache.dtype == torch.bfloat16))
     if lib.kvserve_paged_decode(ctypes.addressof(args)) != 0:
         return None
-    return out
+    return out.to(dtype)

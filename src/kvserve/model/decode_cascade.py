@@ -9,7 +9,8 @@ empty and no row's softmax is over nothing.
 
 Three implementations of one contract, each an exact replacement for the reference decode path:
 
-- CPU float32 where kvserve's CPU kernels serve the call (cpu_attention): the head through the
+- CPU float32 or bfloat16 where kvserve's CPU kernels serve the call (cpu_attention, which
+  computes in float32): the head through the
   attention kernel, the tails read in place from the cache by the paged decode kernel, which
   merges the head's part in.
 - Other CPU float32 calls: the head through PyTorch's CPU flash-attention kernel, GQA folded
@@ -43,17 +44,18 @@ def cascade_decode(query: torch.Tensor, kv_cache: KVCache, plan: DecodeCascade,
                    scale: float) -> torch.Tensor:
     """Decodes sharing `plan`'s head: query [D, H, hd] (row i: decode i of the plan) ->
     [D, H, hd] in query's dtype, equal to attending over each whole context. Reads the head's
-    K/V once for all D decodes; CPU float32 takes kvserve's kernels (else the flash-kernel
-    path), the rest the portable one (see the module docstring)."""
-    if query.device.type == "cpu" and query.dtype == torch.float32 \
-            and kv_cache.key_cache.dtype == torch.float32:
+    K/V once for all D decodes; CPU float32 and bf16 take kvserve's kernels (else, float32, the
+    flash-kernel path), the rest the portable one (see the module docstring)."""
+    if query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16) \
+            and kv_cache.key_cache.dtype == query.dtype:
         # The head's K/V gathered once, for whichever CPU path serves the call.
         k_head = kv_cache.key_cache.index_select(0, plan.head_block_ids).flatten(0, 1)
         v_head = kv_cache.value_cache.index_select(0, plan.head_block_ids).flatten(0, 1)
         by_kernel = _cascade_decode_kernel(query, k_head, v_head, kv_cache, plan, scale)
         if by_kernel is not None:
             return by_kernel
-        return _cascade_decode_cpu(query, k_head, v_head, kv_cache, plan, scale)
+        if query.dtype == torch.float32:
+            return _cascade_decode_cpu(query, k_head, v_head, kv_cache, plan, scale)
     return cascade_decode_portable(query, kv_cache, plan, scale)
 
 
@@ -64,7 +66,8 @@ def _cascade_decode_kernel(query: torch.Tensor, k_head: torch.Tensor, v_head: to
     [Lh, KVH, hd] through `cpu_attention.attention` (every decode's query against it), then
     each tail read in place from the cache by `cpu_attention.paged_decode`, which starts each
     row's softmax from the head's part (output and log-sum-exp): one exact merge, no copies."""
-    head = cpu_attention.attention(query, k_head, v_head, scale, with_lse=True)
+    # The head's part stays float32 (a bf16 query is widened first): it is merged, not output.
+    head = cpu_attention.attention(query.float(), k_head, v_head, scale, with_lse=True)
     if head is None or head[1] is None:
         return None
     tables = plan.tail_block_ids.view(query.shape[0], -1)  # [D, tail_len // block_size]

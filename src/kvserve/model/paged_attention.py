@@ -23,8 +23,9 @@ faster kernels must match. Where sequences share a head of blocks (a prefix-cach
 and prefill chunks take the cascade paths of decode_cascade and cascade_attention instead (no
 sliding window): the head is read once for all of them, with the same result. Prefill attention
 without a sliding window, and every decode, run through kvserve's CPU kernels (cpu_attention)
-where they serve the call: float32 on CPUs with AVX-512, the same result in another summation
-order, decodes reading K/V in place from the cache (no gather).
+where they serve the call: float32 or bfloat16 (computed in float32) on CPUs with AVX-512 (decodes
+with AVX2 too), the same result in another summation order, decodes reading K/V in place from the
+cache (no gather).
 """
 
 from __future__ import annotations

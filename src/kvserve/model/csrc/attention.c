@@ -40,29 +40,40 @@ struct attention_args {
 /* Contract (kvserve_paged_decode): one query token per decode i < num_decodes, q [D, H, HD]
  * (token and head strides in elements), attending to the keys at positions [starts[i], ends[i])
  * (starts NULL: from 0; ends[i] > starts[i]) of its sequence, read in place from the paged
- * caches k_cache/v_cache [num_blocks, block_size, num_kv_heads, HD] (contiguous) through row i
+ * caches k_cache/v_cache [num_blocks, block_size, num_kv_heads, HD] (contiguous; bfloat16
+ * when kv_bf16, else float32: the arithmetic is float32 either way) through row i
  * of tables (int64, table_stride apart; position p sits in block tables[p / block_size] at
  * offset p % block_size). With prior_out [D, H, HD] and prior_lse [D, H] (contiguous), that
  * softmax part over other keys (a shared head) is merged in exactly. Writes out [D, H, HD]
  * (contiguous). num_heads / num_kv_heads must be <= MAX_GROUP. Returns 0; -1 for a head_dim
  * or group this build does not serve. */
 struct decode_args {
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache;
     const int64_t *tables, *starts, *ends;
     const float *prior_out, *prior_lse;
     float *out;
     long num_decodes, table_stride, block_size, q_stride_t, q_stride_h;
     int num_heads, num_kv_heads, head_dim, num_threads;
     float scale;
+    int kv_bf16;
 };
 #define MAX_GROUP 16 /* query heads per kv head */
 #define PARALLEL_MIN_WORK (1L << 20) /* multiply-adds below which a call runs on one thread */
 
-/* Position pos of a sequence in a paged cache [blocks, block_size, rows of row_stride floats]
- * through its block table. */
-static inline const float *paged_row(const float *cache, const int64_t *table, long pos,
-                                     long block_size, long row_stride) {
-    return cache + (table[pos / block_size] * block_size + pos % block_size) * row_stride;
+/* The element offset of position pos of a sequence in a paged cache [blocks, block_size, rows
+ * of row_stride elements], through its block table. */
+static inline long paged_offset(const int64_t *table, long pos, long block_size,
+                                long row_stride) {
+    return (table[pos / block_size] * block_size + pos % block_size) * row_stride;
+}
+
+/* 16 cache elements from element off on, as float32: bfloat16 is float32's upper half. */
+static inline __m512 load_kv(const void *cache, long off, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + off))), 16));
+    return _mm512_loadu_ps((const float *)cache + off);
 }
 
 /* Query rows times keys of an attention call (its multiply-adds over HD). */

@@ -5,8 +5,10 @@
 #define FN(name) CAT(name, HD)
 
 /* One (decode, kv head): its group's query heads over the decode's keys, read in place from the
- * paged cache, starting from the prior softmax part when there is one. */
-static void FN(decode_item)(const struct decode_args *a, long i, int kvh) {
+ * paged cache (bf16: a bfloat16 one, else float32), starting from the prior softmax part when
+ * there is one. Always inlined, so each caller's constant bf16 yields a loop of its own. */
+static inline __attribute__((always_inline)) void FN(decode_item)(const struct decode_args *a,
+                                                                  long i, int kvh, int bf16) {
     const int group = a->num_heads / a->num_kv_heads;
     float qv[MAX_GROUP * HD] __attribute__((aligned(64)));
     float o[MAX_GROUP * HD] __attribute__((aligned(64)));
@@ -35,11 +37,10 @@ static void FN(decode_item)(const struct decode_args *a, long i, int kvh) {
         const int n_pad = (n + 15) & ~15;
         for (int j = 0; j < n; j++) {
             const long pos = p0 + j;
-            const float *kp =
-                paged_row(a->k_cache, table, pos, a->block_size, row_stride) + kvh * HD;
+            const long kp = paged_offset(table, pos, a->block_size, row_stride) + kvh * HD;
             __m512 kx[NV];
 #pragma GCC unroll 8
-            for (int x = 0; x < NV; x++) kx[x] = _mm512_loadu_ps(kp + 16 * x);
+            for (int x = 0; x < NV; x++) kx[x] = load_kv(a->k_cache, kp + 16 * x, bf16);
             for (int r = 0; r < group; r++) {
                 __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qv + r * HD), kx[0]);
 #pragma GCC unroll 8
@@ -59,11 +60,10 @@ static void FN(decode_item)(const struct decode_args *a, long i, int kvh) {
         }
         for (int j = 0; j < n; j++) {
             const long pos = p0 + j;
-            const float *vp =
-                paged_row(a->v_cache, table, pos, a->block_size, row_stride) + kvh * HD;
+            const long vp = paged_offset(table, pos, a->block_size, row_stride) + kvh * HD;
             __m512 vx[NV];
 #pragma GCC unroll 8
-            for (int x = 0; x < NV; x++) vx[x] = _mm512_loadu_ps(vp + 16 * x);
+            for (int x = 0; x < NV; x++) vx[x] = load_kv(a->v_cache, vp + 16 * x, bf16);
             for (int r = 0; r < group; r++) {
                 const __m512 pr = _mm512_set1_ps(sc[r * DCH + j]);
 #pragma GCC unroll 8
@@ -89,8 +89,14 @@ static int FN(decode)(const struct decode_args *a) {
     /* Small calls run on the calling thread: waking the pool costs more. */
     const int threads = keys * a->num_heads * HD >= PARALLEL_MIN_WORK ? a->num_threads : 1;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
-    for (long item = 0; item < items; item++)
-        FN(decode_item)(a, item / a->num_kv_heads, (int)(item % a->num_kv_heads));
+    for (long item = 0; item < items; item++) {
+        const long i = item / a->num_kv_heads;
+        const int kvh = (int)(item % a->num_kv_heads);
+        if (a->kv_bf16)
+            FN(decode_item)(a, i, kvh, 1);
+        else
+            FN(decode_item)(a, i, kvh, 0);
+    }
     return 0;
 }
 

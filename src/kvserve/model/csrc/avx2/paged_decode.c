@@ -1,4 +1,5 @@
-/* Paged decode attention for x86-64 CPUs with AVX2 and FMA (no AVX-512), float32: the
+/* Paged decode attention for x86-64 CPUs with AVX2 and FMA (no AVX-512), float32 arithmetic
+ * over a float32 or bfloat16 cache: the
  * kvserve_paged_decode kernel of ../attention.c (same struct, contract and results up to float
  * rounding) at 8 lanes, one loop over the head dim instead of an instance per head dim.
  *
@@ -19,13 +20,15 @@
 #define PARALLEL_MIN_WORK (1L << 20) /* multiply-adds below which a call runs on one thread */
 
 struct decode_args {  /* exactly ../attention.c's */
-    const float *q, *k_cache, *v_cache;
+    const float *q;
+    const void *k_cache, *v_cache;
     const int64_t *tables, *starts, *ends;
     const float *prior_out, *prior_lse;
     float *out;
     long num_decodes, table_stride, block_size, q_stride_t, q_stride_h;
     int num_heads, num_kv_heads, head_dim, num_threads;
     float scale;
+    int kv_bf16;
 };
 
 /* One chunk of a row's online softmax, in base 2: row[0, n_pad) holds scores (-inf past the
@@ -48,12 +51,22 @@ static inline float online_softmax_block(float *row, int n_pad, float *m, float 
     return alpha;
 }
 
-static inline const float *paged_row(const float *cache, const int64_t *table, long pos,
-                                     long block_size, long row_stride) {
-    return cache + (table[pos / block_size] * block_size + pos % block_size) * row_stride;
+static inline long paged_offset(const int64_t *table, long pos, long block_size,
+                                long row_stride) {
+    return (table[pos / block_size] * block_size + pos % block_size) * row_stride;
 }
 
-static void decode_item(const struct decode_args *a, long i, int kvh) {
+/* 8 cache elements from element off on, as float32: bfloat16 is float32's upper half. */
+static inline __m256 load_kv(const void *cache, long off, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + off))), 16));
+    return _mm256_loadu_ps((const float *)cache + off);
+}
+
+/* Always inlined, so each caller's constant bf16 yields a loop of its own. */
+static inline __attribute__((always_inline)) void decode_item(const struct decode_args *a,
+                                                              long i, int kvh, int bf16) {
     const int hd = a->head_dim, nv = hd / 8, group = a->num_heads / a->num_kv_heads;
     float qv[MAX_GROUP * MAX_HD] __attribute__((aligned(32)));
     float o[MAX_GROUP * MAX_HD] __attribute__((aligned(32)));
@@ -81,14 +94,13 @@ static void decode_item(const struct decode_args *a, long i, int kvh) {
         const int n = (int)(end - p0 < DCH ? end - p0 : DCH);
         const int n_pad = (n + 7) & ~7;
         for (int j = 0; j < n; j++) {
-            const float *kp =
-                paged_row(a->k_cache, table, p0 + j, a->block_size, row_stride) + kvh * hd;
+            const long kp = paged_offset(table, p0 + j, a->block_size, row_stride) + kvh * hd;
             for (int r = 0; r < group; r++) {
                 const float *qr = qv + r * hd;
-                __m256 acc = _mm256_mul_ps(_mm256_load_ps(qr), _mm256_loadu_ps(kp));
+                __m256 acc = _mm256_mul_ps(_mm256_load_ps(qr), load_kv(a->k_cache, kp, bf16));
                 for (int x = 1; x < nv; x++)
                     acc = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * x),
-                                          _mm256_loadu_ps(kp + 8 * x), acc);
+                                          load_kv(a->k_cache, kp + 8 * x, bf16), acc);
                 sc[r * DCH + j] = reduce_add(acc);
             }
         }
@@ -101,14 +113,13 @@ static void decode_item(const struct decode_args *a, long i, int kvh) {
                                 _mm256_mul_ps(_mm256_load_ps(o + r * hd + 8 * x), av));
         }
         for (int j = 0; j < n; j++) {
-            const float *vp =
-                paged_row(a->v_cache, table, p0 + j, a->block_size, row_stride) + kvh * hd;
+            const long vp = paged_offset(table, p0 + j, a->block_size, row_stride) + kvh * hd;
             for (int r = 0; r < group; r++) {
                 const __m256 pr = _mm256_set1_ps(sc[r * DCH + j]);
                 float *orow = o + r * hd;
                 for (int x = 0; x < nv; x++)
                     _mm256_store_ps(orow + 8 * x, _mm256_fmadd_ps(
-                        pr, _mm256_loadu_ps(vp + 8 * x), _mm256_load_ps(orow + 8 * x)));
+                        pr, load_kv(a->v_cache, vp + 8 * x, bf16), _mm256_load_ps(orow + 8 * x)));
             }
         }
     }
@@ -131,7 +142,13 @@ int kvserve_paged_decode(const struct decode_args *a) {
     /* Small calls run on the calling thread: waking the pool costs more. */
     const int threads = keys * a->num_heads * hd >= PARALLEL_MIN_WORK ? a->num_threads : 1;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
-    for (long item = 0; item < items; item++)
-        decode_item(a, item / a->num_kv_heads, (int)(item % a->num_kv_heads));
+    for (long item = 0; item < items; item++) {
+        const long i = item / a->num_kv_heads;
+        const int kvh = (int)(item % a->num_kv_heads);
+        if (a->kv_bf16)
+            decode_item(a, i, kvh, 1);
+        else
+            decode_item(a, i, kvh, 0);
+    }
     return 0;
 }
