@@ -106,13 +106,71 @@ def test_rotary_in_place_matches_apply_rotary(head_dim):
     torch.testing.assert_close(qkv[:, heads * head_dim:], untouched, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("case", ["bfloat16", "dim_20", "head_dim_12", "disabled"])
+def assert_bf16_matches(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 results: at least 99% bit-identical, the rest one bf16 step away (summation order
+    and exp's approximation move a few values across a rounding boundary; a missing or extra
+    rounding moves far more)."""
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    steps = (got.contiguous().view(torch.int16).int() - want.contiguous().view(torch.int16).int())
+    assert int(steps.abs().max()) <= 1, f"off by {int(steps.abs().max())} bf16 steps"
+    assert float((steps == 0).float().mean()) >= 0.99, float((steps == 0).float().mean())
+
+
+def test_bfloat16_rms_norm_and_its_residual_add_round_as_pytorch():
+    gen = torch.Generator().manual_seed(3)
+    residual = (3 * torch.randn(37, 576, generator=gen)).bfloat16()
+    delta = torch.randn(37, 576, generator=gen).bfloat16()
+    weight = torch.randn(576, generator=gen).bfloat16()
+    want_sum = residual + delta  # bf16 + bf16: one rounding of the float32 sum
+    got = cpu_pointwise.rms_norm(residual, weight, 1e-5)
+    assert got is not None
+    assert_bf16_matches(got, reference_norm(residual, weight, 1e-5))
+    fused = cpu_pointwise.add_rms_norm(residual, delta, weight, 1e-5)
+    assert fused is not None
+    total, normed = fused
+    torch.testing.assert_close(total, want_sum, atol=0, rtol=0)
+    assert_bf16_matches(normed, reference_norm(want_sum, weight, 1e-5))
+
+
+def test_bfloat16_silu_mul_rounds_as_pytorch():
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (4 * torch.randn(33, 2 * 1536, generator=gen)).bfloat16()
+    gate_up[0, :8] = torch.tensor([-200.0, -90.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 200.0])
+    got = cpu_pointwise.silu_mul(gate_up)
+    assert got is not None
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_bf16_matches(got, F.silu(gate) * up)
+
+
+def test_bfloat16_rotary_rounds_once():
+    """bf16 q rotated by float32 tables in float32, the result rounded once: closer to the exact
+    rotation than PyTorch's bf16 ops, which round the tables and every step."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, heads, head_dim = 19, 9, 64
+    qkv = torch.randn(tokens, 2 * heads * head_dim, generator=gen).bfloat16()
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    angles = 50 * torch.randn(tokens, head_dim // 2, generator=gen)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    exact = apply_rotary(q.double(), cos.double(), sin.double())
+    want = apply_rotary(q.float(), cos, sin).bfloat16()
+    by_torch = apply_rotary(q, cos, sin)
+    got = cpu_pointwise.rotary_(q, cos, sin)
+    assert got is not None and got.data_ptr() == q.data_ptr()
+    assert_bf16_matches(q, want)
+    assert (q.double() - exact).abs().mean() < (by_torch.double() - exact).abs().mean()
+
+
+@pytest.mark.parametrize("case", ["float16", "mixed_dtypes", "dim_20", "head_dim_12",
+                                  "disabled"])
 def test_declines_what_it_does_not_serve(case):
-    """Dims that neither set's vectors divide (AVX-512 reads 16 lanes, AVX2 8)."""
+    """Other dtypes, and dims that neither set's vectors divide (AVX-512 reads 16 lanes, AVX2
+    8)."""
     x, weight = torch.randn(4, 32), torch.randn(32)
     q, cos = torch.randn(4, 2, 32), torch.randn(4, 32)
-    if case == "bfloat16":
-        x, q = x.bfloat16(), q.bfloat16()
+    if case == "float16":
+        x, weight, q = x.half(), weight.half(), q.half()
+    elif case == "mixed_dtypes":  # bf16 activations, a float32 norm weight and bf16 tables
+        x, q, cos = x.bfloat16(), q.bfloat16(), cos.bfloat16()
     elif case == "dim_20":
         x, weight = torch.randn(4, 20), torch.randn(20)
     elif case == "head_dim_12":
@@ -121,6 +179,7 @@ def test_declines_what_it_does_not_serve(case):
     with cpu_kernels.disabled() if case == "disabled" else contextlib.nullcontext():
         if case != "head_dim_12":
             assert cpu_pointwise.rms_norm(x, weight, 1e-5) is None
+        if case not in ("head_dim_12", "mixed_dtypes"):  # silu_mul has one operand
             assert cpu_pointwise.silu_mul(torch.cat([x, x], -1)) is None
         if case != "dim_20":
             assert cpu_pointwise.rotary_(q, cos, cos) is None

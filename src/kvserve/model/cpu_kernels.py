@@ -1,6 +1,7 @@
 """kvserve's CPU kernels (the C sources in csrc/): built on first use, loaded through ctypes.
 
-The kernels serve float32 on x86-64 CPUs, in families (FAMILIES): prefill attention and paged
+The kernels compute in float32 on x86-64 CPUs (attention and the position-wise ops also read and
+write bfloat16 tensors), in families (FAMILIES): prefill attention and paged
 decode (cpu_attention), the fused position-wise ops of a layer (cpu_pointwise), and matmuls by
 weights kept in GGUF's 4- and 8-bit blocks (quant_linear). Which families a CPU gets is chosen
 at run time from its vector unit (torch's `get_cpu_capability()`): with AVX-512 every family
@@ -52,9 +53,9 @@ FAMILIES: dict[str, dict[str, tuple[Any, ...]]] = {  # family: kernel: its param
     # (each kernel returns int: 0 on success)
     "attention": {"kvserve_attention": (_P,)},  # struct attention_args *
     "paged_decode": {"kvserve_paged_decode": (_P,)},  # struct decode_args *
-    "pointwise": {"kvserve_rms_norm": (_P, _L, _P, _L, _P, _P, _L, _L, _L, _F, _I),
-                  "kvserve_silu_mul": (_P, _L, _P, _L, _L, _L, _I),
-                  "kvserve_rotary": (_P, _L, _L, _L, _L, _L, _P, _P, _I)},
+    "pointwise": {"kvserve_rms_norm": (_P, _L, _P, _L, _P, _P, _L, _L, _L, _F, _I, _I),
+                  "kvserve_silu_mul": (_P, _L, _P, _L, _L, _L, _I, _I),
+                  "kvserve_rotary": (_P, _L, _L, _L, _L, _L, _P, _P, _I, _I)},
     "quant": {"kvserve_q4_matmul": (_P, _L, _P, _P, _P, _P, _L, _L, _L, _L, _I),
               "kvserve_q8_matmul": (_P, _L, _P, _P, _P, _L, _L, _L, _L, _I),
               "kvserve_q4_dequantize": (_P, _P, _P, _P, _L, _L, _I),

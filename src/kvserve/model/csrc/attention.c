@@ -68,14 +68,6 @@ static inline long paged_offset(const int64_t *table, long pos, long block_size,
     return (table[pos / block_size] * block_size + pos % block_size) * row_stride;
 }
 
-/* 16 cache elements from element off on, as float32: bfloat16 is float32's upper half. */
-static inline __m512 load_kv(const void *cache, long off, int bf16) {
-    if (bf16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-            _mm256_loadu_si256((const __m256i *)((const uint16_t *)cache + off))), 16));
-    return _mm512_loadu_ps((const float *)cache + off);
-}
-
 /* Query rows times keys of an attention call (its multiply-adds over HD). */
 static inline long num_rows_work(const struct attention_args *a) {
     return a->q_len * a->num_heads * a->kv_len;

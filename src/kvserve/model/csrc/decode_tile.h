@@ -40,7 +40,7 @@ static inline __attribute__((always_inline)) void FN(decode_item)(const struct d
             const long kp = paged_offset(table, pos, a->block_size, row_stride) + kvh * HD;
             __m512 kx[NV];
 #pragma GCC unroll 8
-            for (int x = 0; x < NV; x++) kx[x] = load_kv(a->k_cache, kp + 16 * x, bf16);
+            for (int x = 0; x < NV; x++) kx[x] = load16(a->k_cache, kp + 16 * x, bf16);
             for (int r = 0; r < group; r++) {
                 __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qv + r * HD), kx[0]);
 #pragma GCC unroll 8
@@ -63,7 +63,7 @@ static inline __attribute__((always_inline)) void FN(decode_item)(const struct d
             const long vp = paged_offset(table, pos, a->block_size, row_stride) + kvh * HD;
             __m512 vx[NV];
 #pragma GCC unroll 8
-            for (int x = 0; x < NV; x++) vx[x] = load_kv(a->v_cache, vp + 16 * x, bf16);
+            for (int x = 0; x < NV; x++) vx[x] = load16(a->v_cache, vp + 16 * x, bf16);
             for (int r = 0; r < group; r++) {
                 const __m512 pr = _mm512_set1_ps(sc[r * DCH + j]);
 #pragma GCC unroll 8

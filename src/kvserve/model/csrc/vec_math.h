@@ -1,9 +1,11 @@
-/* Vector math shared by kvserve's CPU kernels (AVX-512, float32). */
+/* Vector math shared by kvserve's CPU kernels (AVX-512, float32 arithmetic; bfloat16 arrays are
+ * widened on load and rounded on store). */
 #ifndef KVSERVE_VEC_MATH_H
 #define KVSERVE_VEC_MATH_H
 
 #include <immintrin.h>
 #include <math.h>
+#include <stdint.h>
 
 /* 2^x for x <= 0 (x - row max); exactly 0 below -126, where -inf (a masked key) lands too.
  * Degree-7 Taylor polynomial of 2^f on |f| <= 1/2: relative error about 5e-9. */
@@ -42,6 +44,36 @@ static inline float online_softmax_block(float *row, int n_pad, float *m, float 
     *l = *l * alpha + _mm512_reduce_add_ps(sum);
     *m = m_new;
     return alpha;
+}
+
+/* v rounded to bfloat16's precision, to nearest even, kept as float32 (NaN stays NaN): the
+ * rounding PyTorch applies when a float32 result becomes a bf16 tensor. */
+static inline __m512 round_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_and_si512(
+        _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))),
+        _mm512_set1_epi32((int)0xffff0000u));
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), nan, _mm512_set1_ps(NAN));
+}
+
+/* 16 elements from element off on of a float32 array, or (bf16) of a bfloat16 one, as float32:
+ * bfloat16 is float32's upper half, so widening is exact. */
+static inline __m512 load16(const void *p, long off, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + off))), 16));
+    return _mm512_loadu_ps((const float *)p + off);
+}
+
+/* Stores 16 elements at element off of a float32 array, or (bf16) rounded into a bfloat16 one. */
+static inline void store16(void *p, long off, __m512 v, int bf16) {
+    if (bf16)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p + off), _mm512_cvtepi32_epi16(
+            _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16)));
+    else
+        _mm512_storeu_ps((float *)p + off, v);
 }
 
 #endif

@@ -56,14 +56,6 @@ static inline long paged_offset(const int64_t *table, long pos, long block_size,
     return (table[pos / block_size] * block_size + pos % block_size) * row_stride;
 }
 
-/* 8 cache elements from element off on, as float32: bfloat16 is float32's upper half. */
-static inline __m256 load_kv(const void *cache, long off, int bf16) {
-    if (bf16)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
-            _mm_loadu_si128((const __m128i *)((const uint16_t *)cache + off))), 16));
-    return _mm256_loadu_ps((const float *)cache + off);
-}
-
 /* Always inlined, so each caller's constant bf16 yields a loop of its own. */
 static inline __attribute__((always_inline)) void decode_item(const struct decode_args *a,
                                                               long i, int kvh, int bf16) {
@@ -97,10 +89,10 @@ static inline __attribute__((always_inline)) void decode_item(const struct decod
             const long kp = paged_offset(table, p0 + j, a->block_size, row_stride) + kvh * hd;
             for (int r = 0; r < group; r++) {
                 const float *qr = qv + r * hd;
-                __m256 acc = _mm256_mul_ps(_mm256_load_ps(qr), load_kv(a->k_cache, kp, bf16));
+                __m256 acc = _mm256_mul_ps(_mm256_load_ps(qr), load8(a->k_cache, kp, bf16));
                 for (int x = 1; x < nv; x++)
                     acc = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * x),
-                                          load_kv(a->k_cache, kp + 8 * x, bf16), acc);
+                                          load8(a->k_cache, kp + 8 * x, bf16), acc);
                 sc[r * DCH + j] = reduce_add(acc);
             }
         }
@@ -119,7 +111,7 @@ static inline __attribute__((always_inline)) void decode_item(const struct decod
                 float *orow = o + r * hd;
                 for (int x = 0; x < nv; x++)
                     _mm256_store_ps(orow + 8 * x, _mm256_fmadd_ps(
-                        pr, load_kv(a->v_cache, vp + 8 * x, bf16), _mm256_load_ps(orow + 8 * x)));
+                        pr, load8(a->v_cache, vp + 8 * x, bf16), _mm256_load_ps(orow + 8 * x)));
             }
         }
     }

@@ -1,9 +1,11 @@
-/* Vector math shared by kvserve's AVX2 kernels (float32, 8 lanes): the AVX2 counterparts of
- * ../vec_math.h's. */
+/* Vector math shared by kvserve's AVX2 kernels (float32 arithmetic, 8 lanes; bfloat16 arrays
+ * widened on load and rounded on store): the AVX2 counterparts of ../vec_math.h's. */
 #ifndef KVSERVE_AVX2_VEC_MATH_H
 #define KVSERVE_AVX2_VEC_MATH_H
 
 #include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
 
 static inline float reduce_add(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -38,6 +40,37 @@ static inline __m256 exp2_ps(__m256 x) {
     const __m256i bits = _mm256_slli_epi32(
         _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+
+/* v rounded to bfloat16's precision, to nearest even, kept as float32 (NaN stays NaN). */
+static inline __m256 round_bf16(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_and_si256(
+        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))),
+        _mm256_set1_epi32((int)0xffff0000u));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_set1_ps(NAN),
+                            _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+}
+
+/* 8 elements from element off on of a float32 array, or (bf16) of a bfloat16 one, as float32. */
+static inline __m256 load8(const void *p, long off, int bf16) {
+    if (bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128((const __m128i *)((const uint16_t *)p + off))), 16));
+    return _mm256_loadu_ps((const float *)p + off);
+}
+
+/* Stores 8 elements at element off of a float32 array, or (bf16) rounded into a bfloat16 one. */
+static inline void store8(void *p, long off, __m256 v, int bf16) {
+    if (bf16) {
+        const __m256i hi = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+        const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi),
+                                                _mm256_extracti128_si256(hi, 1));
+        _mm_storeu_si128((__m128i *)((uint16_t *)p + off), packed);
+    } else {
+        _mm256_storeu_ps((float *)p + off, v);
+    }
 }
 
 #endif
