@@ -60,6 +60,20 @@ def test_bf16_runs_bf16_where_the_cpu_has_it(model_dir: Path,
     assert loaded.dtype == torch.bfloat16
 
 
+def test_bf16_projections_take_kvserves_kernel_where_it_serves(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvserve.model.bf16_linear import Bf16Linear, kernel_serves_bf16
+    from kvserve.model.onednn_linear import PackedLinear
+    monkeypatch.setattr(model_setup, "has_native_bf16", lambda: True)
+    args = EngineArgs(model=str(model_dir), dtype="bfloat16")
+    loaded, _ = model_setup.load_rank_model(args, ShardSpec(0, 1), "cpu")
+    expected = Bf16Linear if kernel_serves_bf16() else PackedLinear
+    layer = loaded.model.model.layers[0]
+    for op in (layer.self_attn.packed_qkv, layer.self_attn.packed_o, layer.mlp.packed_gate_up,
+               layer.mlp.packed_down, loaded.model.packed_lm_head):
+        assert isinstance(op, expected)
+
+
 @pytest.mark.parametrize("env_on, flag, expected", [
     (True, True, True), (False, True, False), (True, False, False)])
 def test_the_kernels_run_only_where_the_flag_and_the_environment_allow(

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model import cpu_pointwise
-from kvserve.model.onednn_linear import PackedLinear
+from kvserve.model.bf16_linear import pack_dense
 
 LinearOp = Callable[[torch.Tensor], torch.Tensor]  # x [T, in] -> [T, out]: a packed projection
 
@@ -94,11 +94,11 @@ class GatedMLP(nn.Module):
 
     def pack(self, gate_up: LinearOp | None = None, down: LinearOp | None = None) -> None:
         """Serve the fused gate/up and down_proj from packed weights (after `fuse`): the given
-        ops (e.g. quantized ones), else oneDNN-packed copies of the dense weights, which are
-        dropped either way: inference only from here on."""
+        ops (e.g. quantized ones), else packed copies of the dense weights (`pack_dense`: oneDNN's
+        or kvserve's bf16 kernel's), which are dropped either way: inference only from here on."""
         assert self.gate_up is not None, "fuse before packing"
-        self.packed_gate_up = gate_up or PackedLinear(*self.gate_up)
-        self.packed_down = down or PackedLinear(self.down_proj.weight, self.down_proj.bias)
+        self.packed_gate_up = gate_up or pack_dense(*self.gate_up)
+        self.packed_down = down or pack_dense(self.down_proj.weight, self.down_proj.bias)
         self.gate_up = None
         drop_dense(self.gate_proj, self.up_proj, self.down_proj)
 

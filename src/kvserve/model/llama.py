@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.model.attention_metadata import AttentionMetadata
+from kvserve.model.bf16_linear import pack_dense
 from kvserve.model.config import ModelConfig
 from kvserve.model.layers import (
     FactoryKwargs,
@@ -25,7 +26,6 @@ from kvserve.model.layers import (
     RMSNorm,
     drop_dense,
 )
-from kvserve.model.onednn_linear import PackedLinear
 from kvserve.model.paged_attention import KVCache, paged_attention
 from kvserve.model.rotary import RotaryEmbedding, apply_rotary_
 
@@ -61,11 +61,11 @@ class Attention(nn.Module):
 
     def pack(self, qkv: LinearOp | None = None, o: LinearOp | None = None) -> None:
         """Serve the fused q/k/v and o_proj from packed weights (after `fuse`): the given ops
-        (e.g. quantized ones), else oneDNN-packed copies of the dense weights, which are
-        dropped either way: inference only from here on."""
+        (e.g. quantized ones), else packed copies of the dense weights (`pack_dense`: oneDNN's
+        or kvserve's bf16 kernel's), which are dropped either way: inference only from here on."""
         assert self.qkv is not None, "fuse before packing"
-        self.packed_qkv = qkv or PackedLinear(*self.qkv)
-        self.packed_o = o or PackedLinear(self.o_proj.weight, self.o_proj.bias)
+        self.packed_qkv = qkv or pack_dense(*self.qkv)
+        self.packed_o = o or pack_dense(self.o_proj.weight, self.o_proj.bias)
         self.qkv = None
         drop_dense(self.q_proj, self.k_proj, self.v_proj, self.o_proj)
 
@@ -195,13 +195,14 @@ class LlamaForCausalLM(nn.Module):
             layer.mlp.fuse()
 
     def pack_for_onednn(self) -> None:
-        """Run every projection and the lm_head through oneDNN-packed weights (see
-        onednn_linear; CPU only). Call once, after `fuse_projections`; the dense copies are
-        dropped (a tied lm_head keeps the embeddings), so the model serves inference only."""
+        """Run every projection and the lm_head through packed weights (`pack_dense`: oneDNN's,
+        or kvserve's kernel for bf16 weights on AVX512-BF16 CPUs without AMX; CPU only). Call
+        once, after `fuse_projections`; the dense copies are dropped (a tied lm_head keeps the
+        embeddings), so the model serves inference only."""
         for layer in self.model.layers:
             layer.self_attn.pack()
             layer.mlp.pack()
-        self.packed_lm_head = PackedLinear(self.lm_head.weight, None)
+        self.packed_lm_head = pack_dense(self.lm_head.weight, None)
         if not self.config.tie_word_embeddings:
             drop_dense(self.lm_head)
 

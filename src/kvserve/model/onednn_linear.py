@@ -21,6 +21,8 @@ of 16 (to 64) or of 64 (to MAX_ROWS), and taller inputs in MAX_ROWS pieces: 26 r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -45,15 +47,20 @@ def _has_pointwise_op() -> bool:
         return False
 
 
-def has_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16, read from
-    /proc/cpuinfo). oneDNN also runs bf16 on plain AVX-512 by converting, slower than fp32."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags from /proc/cpuinfo (empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            return frozenset(next((line for line in f if line.startswith("flags")), "").split())
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return frozenset()
+
+
+def has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16). oneDNN also
+    runs bf16 on plain AVX-512 by converting, slower than fp32."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 def onednn_available(device: torch.device, dtype: torch.dtype) -> bool:
