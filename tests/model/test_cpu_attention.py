@@ -129,6 +129,11 @@ def test_bfloat16_is_computed_in_float32_and_returned_in_the_querys_dtype():
     torch.testing.assert_close(got[0], wide[0].bfloat16(), atol=0, rtol=0)
     torch.testing.assert_close(got[1], wide[1], atol=0, rtol=0)
     torch.testing.assert_close(mixed[0], wide[0], atol=0, rtol=0)
+    # k and v as the fused qkv projection yields them: strided bf16 views, read in place.
+    kv = torch.cat([k, v], dim=-1)  # [100, 2, 128]
+    strided = cpu_attention.attention(q, kv[..., :64], kv[..., 64:], 0.125, causal_offset=63)
+    assert strided is not None
+    torch.testing.assert_close(strided[0], got[0], atol=0, rtol=0)
 
 
 @needs_attention

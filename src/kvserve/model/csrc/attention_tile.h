@@ -30,10 +30,11 @@ static inline void FN(tile_scores)(const float *restrict qs, const float *restri
     }
 }
 
-/* O[r] = O[r] * alpha[r] + sum_j P[r][j] V[j] for RP rows, j < kn. */
-static inline void FN(tile_pv)(float *restrict o, const float *restrict p,
-                               const float *restrict v, long v_stride, int kn,
-                               const float *restrict alpha) {
+/* O[r] = O[r] * alpha[r] + sum_j P[r][j] V[j] for RP rows, j < kn; V's row j at element
+ * v_off + j * v_stride of v (bfloat16 when bf16, else float32). */
+static inline __attribute__((always_inline)) void FN(tile_pv)(
+        float *restrict o, const float *restrict p, const void *v, long v_off, long v_stride,
+        int kn, const float *restrict alpha, int bf16) {
     __m512 acc[RP][NV];
 #pragma GCC unroll 24
     for (int r = 0; r < RP; r++) {
@@ -45,7 +46,7 @@ static inline void FN(tile_pv)(float *restrict o, const float *restrict p,
     for (int j = 0; j < kn; j++) {
         __m512 vj[NV];
 #pragma GCC unroll 8
-        for (int x = 0; x < NV; x++) vj[x] = _mm512_loadu_ps(v + j * v_stride + 16 * x);
+        for (int x = 0; x < NV; x++) vj[x] = load16(v, v_off + j * v_stride + 16 * x, bf16);
 #pragma GCC unroll 24
         for (int r = 0; r < RP; r++) {
             const __m512 pr = _mm512_set1_ps(p[r * BK + j]);
@@ -61,9 +62,11 @@ static inline void FN(tile_pv)(float *restrict o, const float *restrict p,
 }
 
 /* One block of up to BQ rows of a kv head's row list: row r is query r / G of query head
- * kv_head * G + r % G (G query heads per kv head), so the heads that share K/V share a tile. */
-static void FN(attend_block)(const struct attention_args *a, const float *restrict kt_head,
-                             long ldk, int kv_head, long r0) {
+ * kv_head * G + r % G (G query heads per kv head), so the heads that share K/V share a tile.
+ * Always inlined, so each caller's constant kv_bf16 (V's dtype) yields a loop of its own. */
+static inline __attribute__((always_inline)) void FN(attend_block)(
+        const struct attention_args *a, const float *restrict kt_head, long ldk, int kv_head,
+        long r0, int kv_bf16) {
     float qs[BQ * HD] __attribute__((aligned(64)));
     float s[BQ * BK] __attribute__((aligned(64)));
     float o[BQ * HD] __attribute__((aligned(64)));
@@ -81,8 +84,8 @@ static void FN(attend_block)(const struct attention_args *a, const float *restri
         }
         const long i = (r0 + r) / group;
         const int head = kv_head * group + (int)((r0 + r) % group);
-        const float *src = a->q + i * a->q_stride_t + head * a->q_stride_h;
-        for (int d = 0; d < HD; d++) qs[r * HD + d] = src[d] * qscale;
+        const long src = i * a->q_stride_t + head * a->q_stride_h;
+        for (int d = 0; d < HD; d++) qs[r * HD + d] = load1(a->q, src + d, a->q_bf16) * qscale;
     }
     memset(o, 0, sizeof(o));
     /* Keys visible to the block's last row; rows beyond `rows` are padding and never stored. */
@@ -90,7 +93,7 @@ static void FN(attend_block)(const struct attention_args *a, const float *restri
     const long last_query = (r0 + rows - 1) / group;
     if (a->causal_offset >= 0 && last_query + 1 + a->causal_offset < k_end)
         k_end = last_query + 1 + a->causal_offset;
-    const float *v_head = a->v + kv_head * a->v_stride_h;
+    const long v_head = kv_head * a->v_stride_h;
     for (long k0 = 0; k0 < k_end; k0 += BK) {
         const int kn = (int)(k_end - k0 < BK ? k_end - k0 : BK);
         const int kn_pad = (kn + 31) & ~31;
@@ -109,8 +112,8 @@ static void FN(attend_block)(const struct attention_args *a, const float *restri
             alpha[r] = online_softmax_block(row, kn_pad, m + r, l + r);
         }
         for (int r = 0; r < BQ; r += RP)
-            FN(tile_pv)(o + r * HD, s + r * BK, v_head + k0 * a->v_stride_t, a->v_stride_t, kn,
-                        alpha + r);
+            FN(tile_pv)(o + r * HD, s + r * BK, a->v, v_head + k0 * a->v_stride_t,
+                        a->v_stride_t, kn, alpha + r, kv_bf16);
     }
     for (int r = 0; r < rows; r++) {
         const long i = (r0 + r) / group;
@@ -132,10 +135,12 @@ static void FN(transpose_keys)(const struct attention_args *a, int kvh, float *r
                                            _mm512_set1_epi32(HD));
     for (long j0 = 0; j0 < ldk; j0 += 16) {
         for (int j = 0; j < 16; j++) {
-            if (j0 + j < a->kv_len)
-                memcpy(buf + j * HD, a->k + (j0 + j) * a->k_stride_t + kvh * a->k_stride_h,
-                       sizeof(float) * HD);
-            else
+            if (j0 + j < a->kv_len) {
+                const long row = (j0 + j) * a->k_stride_t + kvh * a->k_stride_h;
+                for (int x = 0; x < NV; x++)
+                    _mm512_storeu_ps(buf + j * HD + 16 * x, load16(a->k, row + 16 * x,
+                                                                   a->kv_bf16));
+            } else
                 memset(buf + j * HD, 0, sizeof(float) * HD);
         }
         for (int d = 0; d < HD; d++)
@@ -162,7 +167,10 @@ static int FN(attend)(const struct attention_args *a) {
         /* Last blocks first: under a causal mask they see the most keys. */
         const long block = num_blocks - 1 - item / a->num_kv_heads;
         const int kvh = (int)(item % a->num_kv_heads);
-        FN(attend_block)(a, kt + (long)kvh * HD * ldk, ldk, kvh, block * BQ);
+        if (a->kv_bf16)
+            FN(attend_block)(a, kt + (long)kvh * HD * ldk, ldk, kvh, block * BQ, 1);
+        else
+            FN(attend_block)(a, kt + (long)kvh * HD * ldk, ldk, kvh, block * BQ, 0);
     }
     free(kt);
     return 0;

@@ -67,6 +67,15 @@ static inline __m512 load16(const void *p, long off, int bf16) {
     return _mm512_loadu_ps((const float *)p + off);
 }
 
+/* Element off of a float32 array, or (bf16) of a bfloat16 one, as float32. */
+static inline float load1(const void *p, long off, int bf16) {
+    if (!bf16) return ((const float *)p)[off];
+    const uint32_t bits = (uint32_t)((const uint16_t *)p)[off] << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 /* Stores 16 elements at element off of a float32 array, or (bf16) rounded into a bfloat16 one. */
 static inline void store16(void *p, long off, __m512 v, int bf16) {
     if (bf16)
