@@ -1,12 +1,12 @@
 """bfloat16 linear layers through kvserve's AVX512-BF16 kernel (csrc/bf16_matmul.c), and the
 choice between it and oneDNN for a dense weight.
 
-oneDNN's bf16 matmuls reach half of this machine's bf16 rate at the row counts decoding runs
-(1-64 rows; docs/benchmarks.md). On CPUs whose bf16 arithmetic is AVX512-BF16 dot products
-(no AMX: AMX tiles are oneDNN's, and faster), bf16 weights are packed for kvserve's kernel,
-which keeps a tile's 24 accumulators in registers over all of K. Products of bf16 pairs are
-exact in float32 and accumulate in float32, as oneDNN's do; the results differ from oneDNN's by
-summation order, then one rounding to bf16.
+oneDNN's bf16 matmuls are slowest where decoding runs them, at 1-16 rows of narrow (K=576)
+weights (docs/benchmarks.md has the measurements). On CPUs whose bf16 arithmetic is
+AVX512-BF16 dot products (no AMX: AMX tiles are oneDNN's, and faster), bf16 weights are packed
+for kvserve's kernel, which keeps a tile's 24 accumulators in registers over all of K.
+Products of bf16 pairs are exact in float32 and accumulate in float32, as oneDNN's do; the
+results differ from oneDNN's by summation order, then one rounding to bf16.
 """
 
 from __future__ import annotations
