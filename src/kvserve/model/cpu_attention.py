@@ -1,8 +1,9 @@
 """kvserve's CPU attention kernels (csrc/attention.c) through ctypes: prefill attention and
 paged decode, computing in float32.
 
-Both take float32 or bfloat16 tensors, read them in place (widening bf16 rows as they load
-them) and return the query's dtype.
+Both take float32 or bfloat16 tensors and return the query's dtype. K and V (and prefill's
+queries) are read in place, bf16 rows widened as they load; a decode's bf16 query, one row a
+sequence, is widened in a copy first.
 
 PyTorch's CPU flash-attention kernel reaches 110-200 GFLOP/s on the prefill shapes that dominate
 a shared-prefix step; this one, register-tiled for AVX-512, 300-440 on the same 2-core machine

@@ -55,27 +55,15 @@ INLINE void tile(const uint16_t *x, long x_stride, const uint16_t *wg, long k2,
     for (int j = 0; j < 4; j++) {
         const long c = col0 + 16 * j;
         if (c >= n) break;
-        const __m512 b = bias ? _mm512_loadu_ps(bias + c) : _mm512_setzero_ps();
-        const int full = n - c >= 16;
+        /* The last vector of the last group may be partial: lanes past n are neither read from
+         * bias nor stored. */
+        const __mmask16 mask =
+            n - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - c)) - 1);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
 #pragma GCC unroll 6
-        for (int r = 0; r < mr; r++) {
-            const __m512 v = _mm512_add_ps(acc[r][j], b);
-            if (full) {
-                store16((char *)y + r * y_stride * (y_bf16 ? 2 : 4), c, v, y_bf16);
-            } else {  /* the last, partial vector: through a buffer */
-                float tmp[16];
-                _mm512_storeu_ps(tmp, y_bf16 ? round_bf16(v) : v);
-                for (long q = 0; q < n - c; q++) {
-                    if (y_bf16) {
-                        uint32_t bits;
-                        __builtin_memcpy(&bits, tmp + q, 4);
-                        ((uint16_t *)y)[r * y_stride + c + q] = (uint16_t)(bits >> 16);
-                    } else {
-                        ((float *)y)[r * y_stride + c + q] = tmp[q];
-                    }
-                }
-            }
-        }
+        for (int r = 0; r < mr; r++)
+            store16_masked((char *)y + r * y_stride * (y_bf16 ? 2 : 4), c,
+                           _mm512_add_ps(acc[r][j], b), y_bf16, mask);
     }
 }
 

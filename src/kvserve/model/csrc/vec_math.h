@@ -76,13 +76,19 @@ static inline float load1(const void *p, long off, int bf16) {
     return f;
 }
 
-/* Stores 16 elements at element off of a float32 array, or (bf16) rounded into a bfloat16 one. */
-static inline void store16(void *p, long off, __m512 v, int bf16) {
+/* Stores the lanes of v set in mask at element off of a float32 array, or (bf16) rounded into
+ * a bfloat16 one. */
+static inline void store16_masked(void *p, long off, __m512 v, int bf16, __mmask16 mask) {
     if (bf16)
-        _mm256_storeu_si256((__m256i *)((uint16_t *)p + off), _mm512_cvtepi32_epi16(
+        _mm256_mask_storeu_epi16((uint16_t *)p + off, mask, _mm512_cvtepi32_epi16(
             _mm512_srli_epi32(_mm512_castps_si512(round_bf16(v)), 16)));
     else
-        _mm512_storeu_ps((float *)p + off, v);
+        _mm512_mask_storeu_ps((float *)p + off, mask, v);
+}
+
+/* Stores 16 elements at element off of a float32 array, or (bf16) rounded into a bfloat16 one. */
+static inline void store16(void *p, long off, __m512 v, int bf16) {
+    store16_masked(p, off, v, bf16, (__mmask16)0xffff);
 }
 
 #endif
