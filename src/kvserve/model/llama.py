@@ -18,6 +18,7 @@ from torch import nn
 from kvserve.model.attention_metadata import AttentionMetadata
 from kvserve.model.bf16_linear import pack_dense
 from kvserve.model.config import ModelConfig
+from kvserve.model.decode_step import FusedDecode
 from kvserve.model.layers import (
     FactoryKwargs,
     GatedMLP,
@@ -158,12 +159,17 @@ class DecoderModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
         self.rotary_emb = RotaryEmbedding(config)
+        self.fused_decode: FusedDecode | None = None  # set by LlamaForCausalLM.pack_for_onednn
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: Sequence[KVCache], attn_metadata: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final-normed hidden [num_tokens, hidden]."""
         hidden = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         cos, sin = self.rotary_emb(positions)  # [num_tokens, head_dim] each
+        if self.fused_decode is not None:
+            fused = self.fused_decode(hidden, cos, sin, kv_caches, attn_metadata)
+            if fused is not None:  # a pure-decode step, run in one kernel call
+                return fused
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv_cache, attn_metadata)
         out: torch.Tensor = self.norm(hidden)
@@ -205,6 +211,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_lm_head = pack_dense(self.lm_head.weight, None)
         if not self.config.tie_word_embeddings:
             drop_dense(self.lm_head)
+        self.model.fused_decode = FusedDecode.build(self.model)
 
     def set_all_reduce(self, all_reduce: AllReduce | None) -> None:
         """Make this a tensor-parallel rank's model (built from `shard_config`): each layer

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "layer_ops.h"
 #include "vec_math.h"
 
 #define GROUP 64 /* columns a tile covers: four 16-lane vectors */

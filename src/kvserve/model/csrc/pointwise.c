@@ -10,6 +10,7 @@
 #include <immintrin.h>
 #include <math.h>
 
+#include "layer_ops.h"
 #include "vec_math.h"
 
 #define PARALLEL_MIN_ELEMS 32768

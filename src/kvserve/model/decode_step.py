@@ -1,0 +1,179 @@
+"""The fused decode step (csrc/decode_step.c): every decoder layer of a step whose sequences all
+decode, in one kernel call, for bf16 models whose projections run on kvserve's bf16 matmul.
+
+At one to a few tokens a step, the per-op path's Python and ATen dispatch (about ten calls a
+layer) costs as much as its matmuls read weights in (docs/benchmarks.md has the profile). The
+fused step calls the same kernels on the same bf16 tensors in the same order, from C, so its
+output is the per-op path's bit for bit (tests/model/test_decode_step.py checks it). It serves
+only what those kernels serve: no LoRA deltas, no tensor parallelism, no q/k norms or sliding
+windows, a bf16 KV cache, and decodes that share no cascade head (those keep the cascade's
+one read of the head); `FusedDecode.__call__` returns None for anything else, and the caller
+runs the per-op path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvserve.model import cpu_kernels
+from kvserve.model.attention_metadata import AttentionMetadata
+from kvserve.model.bf16_linear import Bf16Linear, kernel_serves_bf16
+from kvserve.model.cpu_attention import HEAD_DIMS, MAX_GROUP
+from kvserve.model.paged_attention import KVCache
+
+if TYPE_CHECKING:
+    from kvserve.model.llama import DecoderModel
+
+__all__ = ["FusedDecode"]
+
+_P = ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):
+    """struct decode_layer in decode_step.c."""
+
+    _fields_ = [
+        ("input_norm", _P), ("post_norm", _P),
+        ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
+        ("qkv_bias", _P), ("o_bias", _P), ("gate_up_bias", _P), ("down_bias", _P),
+        ("k_cache", _P), ("v_cache", _P),
+    ]
+
+
+class _StepArgs(ctypes.Structure):
+    """struct decode_step_args in decode_step.c."""
+
+    _fields_ = [
+        ("layers", _P), ("final_norm", _P), ("hidden", _P), ("out", _P),
+        ("cos", _P), ("sin", _P), ("slots", _P), ("tables", _P), ("ends", _P),
+        ("num_layers", ctypes.c_long), ("num_decodes", ctypes.c_long),
+        ("table_stride", ctypes.c_long), ("block_size", ctypes.c_long),
+        ("hidden_size", ctypes.c_long), ("intermediate_size", ctypes.c_long),
+        ("num_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
+        ("head_dim", ctypes.c_int), ("num_threads", ctypes.c_int),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+    ]
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class FusedDecode:
+    """Runs a DecoderModel's layers for pure-decode steps in one call (see the module doc).
+
+    Build it with `FusedDecode.build(model)` once the model is packed; it keeps the packed
+    weights' addresses, which never move, and refreshes the caches' when they change."""
+
+    def __init__(self, model: DecoderModel) -> None:
+        self.model = model
+        first = model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads = first.num_heads, first.num_kv_heads
+        self.head_dim = first.head_dim
+        self.hidden_size = model.norm.weight.shape[0]
+        down = model.layers[0].mlp.packed_down
+        assert isinstance(down, Bf16Linear)
+        self.intermediate_size = down.in_features
+        self.eps = model.norm.eps
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self._layers = (_Layer * len(model.layers))()
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            ops = (attn.packed_qkv, attn.packed_o, mlp.packed_gate_up, mlp.packed_down)
+            assert all(isinstance(op, Bf16Linear) for op in ops)
+            qkv, o, gate_up, down = ops  # type: ignore[misc]
+            self._layers[i] = _Layer(
+                layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(),
+                qkv.packed.data_ptr(), o.packed.data_ptr(), gate_up.packed.data_ptr(),
+                down.packed.data_ptr(), _ptr(qkv.bias), _ptr(o.bias), _ptr(gate_up.bias),
+                _ptr(down.bias), 0, 0)
+        self._caches: tuple[int, ...] = ()
+
+    @classmethod
+    def build(cls, model: DecoderModel) -> FusedDecode | None:
+        """The fused step for `model` (packed, bf16), or None where its kernels cannot run it."""
+        if not model.layers or cpu_kernels.library("decode_step") is None:
+            return None
+        if not kernel_serves_bf16():
+            return None
+        hidden = model.norm.weight
+        first = model.layers[0].self_attn
+        head_dim, heads, kv_heads = first.head_dim, first.num_heads, first.num_kv_heads
+        if (hidden.dtype != torch.bfloat16 or hidden.shape[0] % 16 or head_dim not in HEAD_DIMS
+                or head_dim % 32 or heads % kv_heads or heads // kv_heads > MAX_GROUP):
+            return None
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            ops = (attn.packed_qkv, attn.packed_o, mlp.packed_gate_up, mlp.packed_down)
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if (attn.q_norm is not None or attn.sliding_window is not None
+                    or not all(isinstance(op, Bf16Linear) and op.in_features % 2 == 0
+                               for op in ops)
+                    or any(w.dtype != torch.bfloat16 or not w.is_contiguous() for w in norms)):
+                return None
+        down = model.layers[0].mlp.packed_down
+        if isinstance(down, Bf16Linear) and down.in_features % 16:
+            return None
+        return cls(model)
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_caches: Sequence[KVCache],
+                 meta: AttentionMetadata) -> torch.Tensor | None:
+        """hidden [D, hidden] (the embeddings, bf16; overwritten) -> the final-normed hidden
+        [D, hidden], with every layer's K/V written; None (nothing touched) where the step is
+        not one the kernel runs."""
+        lib = cpu_kernels.library("decode_step")
+        if lib is None or meta.prefill_seq_idx or not self._plain():
+            return None
+        plan = meta.decode_batch()
+        cache = kv_caches[0]
+        if (plan is None or meta.decode_cascade(cache.block_size) is not None
+                or cache.key_cache.dtype != torch.bfloat16 or hidden.dtype != torch.bfloat16
+                or not hidden.is_contiguous() or hidden.shape[0] != plan.seq_lens.shape[0]
+                or cos.dtype != torch.float32 or not cos.is_contiguous()
+                or not sin.is_contiguous() or plan.block_tables.stride(-1) != 1):
+            return None
+        if not self._point_at(kv_caches):
+            return None
+        slots = meta.slot_mapping.to(torch.int64)
+        out = torch.empty_like(hidden)
+        args = _StepArgs(
+            ctypes.addressof(self._layers), self.model.norm.weight.data_ptr(),
+            hidden.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+            slots.data_ptr(), plan.block_tables.data_ptr(), plan.seq_lens.data_ptr(),
+            len(self._layers), hidden.shape[0], plan.block_tables.stride(0), cache.block_size,
+            self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads,
+            self.head_dim, torch.get_num_threads(), self.eps, self.scale)
+        status = lib.kvserve_decode_step(ctypes.addressof(args))
+        if status != 0:
+            raise RuntimeError(f"kvserve's fused decode step failed (status {status}: -2 is "
+                               "out of memory)")
+        return out
+
+    def _plain(self) -> bool:
+        """No LoRA deltas and no tensor parallelism right now (both are set after building)."""
+        return all(layer.self_attn.lora is None and layer.mlp.lora is None
+                   and layer.all_reduce is None for layer in self.model.layers)
+
+    def _point_at(self, kv_caches: Sequence[KVCache]) -> bool:
+        """Each layer's cache addresses, rewritten only when the caches change; False where
+        they are not one contiguous bf16 KVCache a layer."""
+        addresses = tuple(p for c in kv_caches
+                          for p in (c.key_cache.data_ptr(), c.value_cache.data_ptr()))
+        if addresses == self._caches:
+            return True
+        if len(kv_caches) != len(self._layers) or not all(
+                t.is_contiguous() and t.dtype == torch.bfloat16
+                for c in kv_caches for t in (c.key_cache, c.value_cache)):
+            return False
+        for entry, cache in zip(self._layers, kv_caches, strict=True):
+            entry.k_cache = cache.key_cache.data_ptr()
+            entry.v_cache = cache.value_cache.data_ptr()
+        self._caches = addresses
+        return True

@@ -1,0 +1,118 @@
+"""The fused decode step (csrc/decode_step.c) against the per-op path it replaces: the same
+kernels in the same order, so logits and every written K/V equal bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.model import LlamaForCausalLM, cpu_kernels
+from kvserve.model.bf16_linear import kernel_serves_bf16
+from kvserve.model.config import ModelConfig
+from kvserve.model.decode_step import FusedDecode
+
+from .arch_configs import ARCH_CONFIGS, base_config
+from .paged_harness import PagedRunner
+
+needs_kernel = pytest.mark.skipif(
+    not kernel_serves_bf16() or not cpu_kernels.available("decode_step"),
+    reason="the fused decode step runs where kvserve's bf16 matmul serves (AVX512-BF16, no AMX)")
+
+# Head dim 32 (rotary needs half a head in 16-lane vectors), GQA 4/2, odd-ish sizes.
+SHAPE = {"hidden_size": 128, "intermediate_size": 176, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "num_hidden_layers": 3}
+
+
+def packed_model(seed: int, **overrides: object) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = ModelConfig.from_dict(base_config(**{**SHAPE, **overrides}))
+    model = LlamaForCausalLM(config, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.5 if param.dim() > 1 else 1.0)
+    model.fuse_projections()
+    model.pack_for_onednn()
+    return model.eval()
+
+
+def run_steps(model: LlamaForCausalLM, fused: bool) -> tuple[list[dict], list[torch.Tensor]]:
+    """Two prompts prefilled, then decode steps of 2, 3 and 1 sequences (one joins late)."""
+    kept = model.model.fused_decode
+    if not fused:
+        model.model.fused_decode = None
+    try:
+        return _steps(PagedRunner(model, num_blocks=32, block_size=4, seed=1))
+    finally:
+        model.model.fused_decode = kept
+
+
+def _steps(runner: PagedRunner) -> tuple[list[dict], list[torch.Tensor]]:
+    outs = [runner.step([("a", list(range(5, 14))), ("b", [7, 8, 9])])]
+    for i in range(6):
+        outs.append(runner.step([("a", [20 + i]), ("b", [40 + i])]))
+    outs.append(runner.step([("c", [1, 2, 3, 4, 5, 6])]))
+    for i in range(5):
+        outs.append(runner.step([("b", [60 + i]), ("c", [80 + i]), ("a", [90 + i])]))
+    runner.free("a")
+    runner.free("b")
+    for i in range(3):
+        outs.append(runner.step([("c", [100 + i])]))
+    caches = [t for c in runner.caches for t in (c.key_cache, c.value_cache)]
+    return outs, caches
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each FusedDecode call ran the step (True) or declined it (False)."""
+    calls: list[bool] = []
+    original = FusedDecode.__call__
+
+    def counting(self, *args):
+        out = original(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(FusedDecode, "__call__", counting)
+    return calls
+
+
+def assert_same(got: tuple[list[dict], list[torch.Tensor]],
+                want: tuple[list[dict], list[torch.Tensor]]) -> None:
+    for step_got, step_want in zip(got[0], want[0], strict=True):
+        for seq, logits in step_want.items():
+            torch.testing.assert_close(step_got[seq], logits, atol=0, rtol=0)
+    for a, b in zip(got[1], want[1], strict=True):
+        assert torch.equal(a, b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["plain", "biases"])
+def test_equals_the_per_op_path_bit_for_bit(arch, fused_calls):
+    overrides = {"attention_bias": True, "mlp_bias": True} if arch == "biases" else {}
+    model = packed_model(3, **overrides)
+    assert model.model.fused_decode is not None
+    got = run_steps(model, fused=True)
+    # Steps of decodes only ran fused; the two with a prefill did not.
+    assert fused_calls.count(True) == 14 and fused_calls.count(False) == 2, fused_calls
+    assert_same(got, run_steps(model, fused=False))
+
+
+@needs_kernel
+def test_not_built_for_what_its_kernels_do_not_run():
+    for arch in ("mistral_sliding", "qwen3_qk_norm"):
+        variant = {k: v for k, v in ARCH_CONFIGS[arch].items() if k not in SHAPE}
+        assert FusedDecode.build(packed_model(0, **variant).model) is None, arch
+    torch.manual_seed(0)
+    fp32 = LlamaForCausalLM(ModelConfig.from_dict(base_config(**SHAPE)))
+    fp32.fuse_projections()
+    fp32.pack_for_onednn()
+    assert fp32.model.fused_decode is None
+
+
+@needs_kernel
+def test_steps_with_tensor_parallel_ranks_take_the_per_op_path(fused_calls):
+    model = packed_model(5)
+    model.set_all_reduce(lambda t: t)  # a one-rank group: set after building, seen per step
+    got = run_steps(model, fused=True)
+    assert fused_calls and not any(fused_calls)
+    assert_same(got, run_steps(model, fused=False))
