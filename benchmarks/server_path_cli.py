@@ -40,6 +40,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3, help="timed repeats per side")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="the model's dtype, on both sides")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="extra `kvserve serve` argument (repeatable, e.g. --serve-arg=--flag)")
     p.set_defaults(func=run)
@@ -116,13 +118,13 @@ class OfflineSide:
 
     name = "offline"
 
-    def __init__(self, model_dir: Path, threads: int, output_len: int) -> None:
+    def __init__(self, model_dir: Path, threads: int, output_len: int, dtype: str) -> None:
         from kvserve.engine import SamplingParams
         from kvserve.runtime import EngineArgs, LLMEngine
 
         self.engine = LLMEngine.from_args(EngineArgs(
             model=str(model_dir), num_threads=threads, kv_cache_memory_bytes=KV_CACHE_BYTES,
-            max_model_len=MAX_MODEL_LEN))
+            max_model_len=MAX_MODEL_LEN, dtype=dtype))
         self.params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         self._one("warmup", WARMUP_PROMPT)
 
@@ -221,9 +223,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             if args.side in ("server", "both"):
                 sides.append(ServerSide(model_dir, args.threads, args.output_len, Path(tmp),
-                                        args.serve_arg))
+                                        ["--dtype", args.dtype, *args.serve_arg]))
             if args.side in ("offline", "both"):
-                sides.insert(0, OfflineSide(model_dir, args.threads, args.output_len))
+                sides.insert(0, OfflineSide(model_dir, args.threads, args.output_len,
+                                            args.dtype))
             for repeat in range(args.repeats):  # interleaved: both see the same moments' load
                 for side in sides:
                     samples.append(side.run(repeat, prompts[repeat]))
