@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,18 +15,14 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.ports import free_port
+from tests.shared_kernels import cache_with_shared_kernels
+
 # Small enough to start in seconds and to run two of them on two cores.
 WORKER_FLAGS = ("--num-kv-blocks", "512", "--max-model-len", "256", "--num-threads", "1")
 ADMIN_KEY = "gateway-tests-admin-key"  # workers' admin routes (/debug/kv, /kv/events)
 ADMIN_PATHS = ("/debug/", "/kv/")
 START_TIMEOUT_S = 120.0  # generous: CI machines are often busy
-
-
-def free_port() -> int:
-    """A loopback port the kernel just handed out (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str,
@@ -49,7 +44,8 @@ class Process:
         self.url = f"http://127.0.0.1:{self.port}"
         log_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = log_dir / f"{name}-{self.port}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", KVSERVE_CACHE=str(log_dir / "cache"))
+        env = dict(os.environ, PYTHONUNBUFFERED="1",
+                   KVSERVE_CACHE=str(cache_with_shared_kernels(log_dir / "cache")))
         for key in ("KVSERVE_API_KEY", "KVSERVE_ADMIN_KEY"):
             env.pop(key, None)
         command = [sys.executable, "-m", "kvserve.cli", *argv, "--host", "127.0.0.1",

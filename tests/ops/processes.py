@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +15,13 @@ from pathlib import Path
 
 import httpx
 
+from tests.ports import free_port
+from tests.shared_kernels import cache_with_shared_kernels
+
 START_TIMEOUT_S = 120.0
 ADMIN_KEY = "ops-tests-admin-key"  # the workers' /debug/kv, which the doctor reads
 TINY_WORKER = ("--max-model-len", "256", "--num-threads", "1", "--block-size", "16",
                "--drain-timeout", "1", "--admin-key", ADMIN_KEY)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
@@ -47,7 +43,8 @@ class Server:
         self.log_path = log_dir / f"{name}-{self.port}.log"
         self.num_workers = 0  # a gateway's
         self.interrupted = False
-        env = dict(os.environ, PYTHONUNBUFFERED="1", KVSERVE_CACHE=str(log_dir / "cache"),
+        env = dict(os.environ, PYTHONUNBUFFERED="1",
+                   KVSERVE_CACHE=str(cache_with_shared_kernels(log_dir / "cache")),
                    **(extra_env or {}))
         for key in ("KVSERVE_API_KEY", "KVSERVE_ADMIN_KEY"):
             env.pop(key, None)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,9 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.ports import free_port
+from tests.shared_kernels import cache_with_shared_kernels
+
 # Small enough to start in seconds and run on two cores; the same for every server here.
 BASE_FLAGS = (
     "--num-kv-blocks", "512", "--block-size", "16", "--max-model-len", "256",
@@ -22,13 +24,6 @@ BASE_FLAGS = (
 )
 START_TIMEOUT_S = 60.0
 ADMIN_KEY = "server-tests-admin-key"  # every test server's admin routes (/debug/kv, /kv/*)
-
-
-def free_port() -> int:
-    """A loopback port the kernel just handed out (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class ServerProcess:
@@ -44,7 +39,8 @@ class ServerProcess:
         self.api_key = api_key
         work_dir.mkdir(parents=True, exist_ok=True)
         self.log_path = work_dir / f"server-{self.port}.log"
-        env = dict(os.environ, KVSERVE_CACHE=str(work_dir / "cache"), PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1",
+                   KVSERVE_CACHE=str(cache_with_shared_kernels(work_dir / "cache")))
         env.pop("KVSERVE_API_KEY", None)
         env.pop("KVSERVE_ADMIN_KEY", None)
         argv = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(model_dir),
