@@ -23,6 +23,9 @@ from tests.tp.ranks import child_pids, wait_gone
 pytest.importorskip("transformers")
 TP_FLAGS = ("--tensor-parallel-size", "2", "--block-size", "4")
 EXIT_WITHIN_S = 30.0
+# How long a failed worker keeps answering /health 503 before it exits (5 s in production):
+# long enough for the checks below, which read /health as soon as the request has failed.
+FAILED_GROUP_GRACE_S = "2"
 
 
 @pytest.fixture
@@ -30,8 +33,9 @@ def start(tp_checkpoints, tmp_path, monkeypatch):
     started: list[ServerProcess] = []
 
     def run(arch: str, flags: tuple[str, ...] = (), fault: str | None = None) -> ServerProcess:
+        monkeypatch.setenv("KVSERVE_TEST_HOOKS", "1")
+        monkeypatch.setenv("KVSERVE_TEST_FAILED_GROUP_GRACE_S", FAILED_GROUP_GRACE_S)
         if fault is not None:
-            monkeypatch.setenv("KVSERVE_TEST_HOOKS", "1")
             monkeypatch.setenv("KVSERVE_TP_FAULT", fault)
         server = ServerProcess(tp_checkpoints[arch], tmp_path, (*TP_FLAGS, *flags))
         started.append(server)
