@@ -187,9 +187,13 @@ class ServerSide:
                    body: dict[str, Any]) -> tuple[Reading, int]:
         """(the server's readings from the first chunk with text to the last chunk, tokens
         after the first): tokens from the usage chunk, since the detokenizer may hold a
-        token's text back and send it with the next one (`kvserve bench serve`'s TPOT)."""
+        token's text back and send it with the next one (`kvserve bench serve`'s TPOT).
+        The server's /proc is read at the first text chunk and at the stream's end only
+        (its CPU and switches); in between just the clock is read, since reading every
+        thread's files at each chunk costs this client a core's share the server's threads
+        then miss (2-core machines)."""
         first: Reading | None = None
-        last = Reading(0.0, 0.0, 0)
+        last_wall = 0.0
         num_tokens = 0
         async with client.stream("POST", f"{self.server.url}/v1/completions",
                                  json=body) as resp:
@@ -202,10 +206,12 @@ class ServerSide:
                                  num_tokens)
                 choices = chunk.get("choices") or ()
                 if choices and (first is not None or any(c.get("text") for c in choices)):
-                    last = _proc_reading(self.pid)
-                    first = first or last
+                    last_wall = time.perf_counter()
+                    first = first or _proc_reading(self.pid)
         assert first is not None and num_tokens, "the stream carried no text or no usage"
-        return last - first, num_tokens - 1
+        end = _proc_reading(self.pid)
+        return Reading(last_wall - first.wall, end.cpu_s - first.cpu_s,
+                       end.switches - first.switches), num_tokens - 1
 
 
 def run(args: argparse.Namespace) -> int:
