@@ -116,8 +116,10 @@ def build(compiler: str, isa: str = "avx512") -> Path:
     """Compile `isa`'s kernel library (or find it already compiled); raise on any failure."""
     folder = _SRC_DIR / _KERNEL_SETS[isa][0]
     sources = sorted(p for p in folder.iterdir() if p.suffix in (".c", ".h"))
+    # A set in a subfolder may include csrc/'s headers (../paged_decode.h): they count too.
+    shared = [] if folder == _SRC_DIR else sorted(_SRC_DIR.glob("*.h"))
     digest = hashlib.sha256()
-    for path in sources:
+    for path in [*sources, *shared]:
         digest.update(path.name.encode() + path.read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=True, timeout=30).stdout

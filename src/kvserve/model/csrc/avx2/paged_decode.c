@@ -1,7 +1,7 @@
 /* Paged decode attention for x86-64 CPUs with AVX2 and FMA (no AVX-512), float32 arithmetic
- * over a float32 or bfloat16 cache: the
- * kvserve_paged_decode kernel of ../attention.c (same struct, contract and results up to float
- * rounding) at 8 lanes, one loop over the head dim instead of an instance per head dim.
+ * over a float32 or bfloat16 cache: the kvserve_paged_decode kernel of ../attention.c (the
+ * struct and contract of ../paged_decode.h, the same results up to float rounding) at 8 lanes,
+ * one loop over the head dim instead of an instance per head dim.
  *
  * Each (decode, kv head) item: its group's query heads over the decode's keys, read in place from
  * the paged cache in chunks of DCH keys, an online softmax in base 2 (scale folded with log2 e
@@ -12,24 +12,13 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../paged_decode.h"
 #include "vec_math.h"
 
 #define MAX_GROUP 16 /* query heads per kv head */
 #define MAX_HD 128
 #define DCH 64 /* keys per chunk of a decode's online softmax */
 #define PARALLEL_MIN_WORK (1L << 20) /* multiply-adds below which a call runs on one thread */
-
-struct decode_args {  /* exactly ../attention.c's */
-    const float *q;
-    const void *k_cache, *v_cache;
-    const int64_t *tables, *starts, *ends;
-    const float *prior_out, *prior_lse;
-    float *out;
-    long num_decodes, table_stride, block_size, q_stride_t, q_stride_h;
-    int num_heads, num_kv_heads, head_dim, num_threads;
-    float scale;
-    int kv_bf16;
-};
 
 /* One chunk of a row's online softmax, in base 2: row[0, n_pad) holds scores (-inf past the
  * chunk's keys; n_pad a multiple of 8), which become 2^(score - new max). Updates the running
