@@ -10,6 +10,12 @@ per token of all its threads (a thread that sleeps and is woken again: an OpenMP
 the kernel between parallel regions shows here). CPU time is the steadier figure on a shared
 machine: another process running meanwhile stretches wall time but not this process's CPU.
 Repeats alternate between the sides, so both see the same moments' load.
+
+The server side's client shares the machine: its CPU per token (this thread's, first text to
+end) is reported beside the server's, since on 2 cores every millisecond it spends is one the
+server's compute threads lose. `--client socket` (the default) reads the stream with one `recv`
+per arrival (benchmarks/sse_reader.py); `--client httpx` is the async line iterator with a JSON
+parse per chunk, as `kvserve bench serve` reads.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ from typing import Any
 
 import httpx
 
+from benchmarks.sse_reader import stream_completion
+
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("server-path",
@@ -42,6 +50,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the model's dtype, on both sides")
+    p.add_argument("--client", choices=["socket", "httpx"], default="socket",
+                   help="how the server side reads its stream (see the module docstring)")
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="extra `kvserve serve` argument (repeatable, e.g. --serve-arg=--flag)")
     p.set_defaults(func=run)
@@ -58,11 +68,14 @@ class Sample:
     cpu_ms_per_token: float
     switches_per_token: float
     tokens: int
+    client_cpu_ms_per_token: float | None = None  # the server side's client (None offline)
 
     def row(self) -> dict[str, Any]:
+        client = self.client_cpu_ms_per_token
         return {"side": self.side, "repeat": self.repeat, "itl_ms": round(self.itl_ms, 2),
                 "cpu_ms_per_token": round(self.cpu_ms_per_token, 2),
-                "switches_per_token": round(self.switches_per_token, 1), "tokens": self.tokens}
+                "switches_per_token": round(self.switches_per_token, 1), "tokens": self.tokens,
+                "client_cpu_ms_per_token": None if client is None else round(client, 3)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,12 +118,14 @@ def _proc_reading(pid: int) -> Reading:
                    switches)
 
 
-def _sample(side: str, repeat: int, spans: Sequence[tuple[Reading, int]]) -> Sample:
+def _sample(side: str, repeat: int, spans: Sequence[tuple[Reading, int]],
+            client_cpu_s: float | None = None) -> Sample:
     """One repeat from each request's (last - first reading, tokens after the first)."""
     tokens = sum(n for _, n in spans)
     return Sample(side, repeat, 1e3 * sum(r.wall for r, _ in spans) / tokens,
                   1e3 * sum(r.cpu_s for r, _ in spans) / tokens,
-                  sum(r.switches for r, _ in spans) / tokens, tokens)
+                  sum(r.switches for r, _ in spans) / tokens, tokens,
+                  None if client_cpu_s is None else 1e3 * client_cpu_s / tokens)
 
 
 class OfflineSide:
@@ -150,12 +165,19 @@ class OfflineSide:
 
 
 class ServerSide:
-    """A launched `kvserve serve` with the offline side's engine arguments, streamed from."""
+    """A launched `kvserve serve` with the offline side's engine arguments, streamed from.
+
+    Each request gives (the server's readings from the first chunk with text to the last chunk,
+    tokens after the first): tokens from the usage chunk, since the detokenizer may hold a
+    token's text back and send it with the next one (`kvserve bench serve`'s TPOT). The
+    server's /proc is read at the first text chunk and at the stream's end only; in between
+    just the clock is read, since reading every thread's files at each chunk costs the client
+    a core's share the server's threads then miss (2-core machines)."""
 
     name = "server"
 
     def __init__(self, model_dir: Path, threads: int, output_len: int, log_dir: Path,
-                 extra: Sequence[str]) -> None:
+                 extra: Sequence[str], client: str) -> None:
         from kvserve.bench.server_launch import LaunchedServer, LaunchSpec
 
         self.spec = LaunchSpec(model_dir=model_dir.resolve(), served_model_name=model_dir.name,
@@ -163,37 +185,48 @@ class ServerSide:
                                max_num_seqs=64, max_num_batched_tokens=2048,
                                num_threads=threads, extra_args=tuple(extra))
         self.output_len = output_len
+        self.client = client
         self.server = LaunchedServer("kvserve", self.spec, log_dir, 600.0)
         self.server.start()
         assert self.server.pid is not None
         self.pid = self.server.pid
-        asyncio.run(self._stream([WARMUP_PROMPT]))
+        self._stream([WARMUP_PROMPT])
 
     def close(self) -> None:
         self.server.stop()
 
     def run(self, repeat: int, prompts: Sequence[str]) -> Sample:
-        return _sample(self.name, repeat, asyncio.run(self._stream(prompts)))
+        results = self._stream(prompts)
+        return _sample(self.name, repeat, [(r, n) for r, n, _ in results],
+                       sum(c for _, _, c in results))
 
-    async def _stream(self, prompts: Sequence[str]) -> list[tuple[Reading, int]]:
+    def _stream(self, prompts: Sequence[str]) -> list[tuple[Reading, int, float]]:
         from kvserve.bench.serve_load import completion_body
 
-        async with httpx.AsyncClient(timeout=600.0) as client:
-            return [await self._one(client, completion_body(self.spec.served_model_name, p,
-                                                            self.output_len))
-                    for p in prompts]
+        bodies = [completion_body(self.spec.served_model_name, p, self.output_len)
+                  for p in prompts]
+        if self.client == "socket":
+            return [self._one_socket(body) for body in bodies]
+        return asyncio.run(self._httpx(bodies))
 
-    async def _one(self, client: httpx.AsyncClient,
-                   body: dict[str, Any]) -> tuple[Reading, int]:
-        """(the server's readings from the first chunk with text to the last chunk, tokens
-        after the first): tokens from the usage chunk, since the detokenizer may hold a
-        token's text back and send it with the next one (`kvserve bench serve`'s TPOT).
-        The server's /proc is read at the first text chunk and at the stream's end only
-        (its CPU and switches); in between just the clock is read, since reading every
-        thread's files at each chunk costs this client a core's share the server's threads
-        then miss (2-core machines)."""
+    def _one_socket(self, body: dict[str, Any]) -> tuple[Reading, int, float]:
+        readings: list[Reading] = []
+        times = stream_completion(self.server.url, body,
+                                  lambda: readings.append(_proc_reading(self.pid)))
+        end = _proc_reading(self.pid)
+        (first,) = readings
+        return (Reading(times.last_choice - times.first_text, end.cpu_s - first.cpu_s,
+                        end.switches - first.switches), times.completion_tokens - 1,
+                times.client_cpu_s)
+
+    async def _httpx(self, bodies: Sequence[dict[str, Any]]) -> list[tuple[Reading, int, float]]:
+        async with httpx.AsyncClient(timeout=600.0) as client:
+            return [await self._one_httpx(client, body) for body in bodies]
+
+    async def _one_httpx(self, client: httpx.AsyncClient,
+                         body: dict[str, Any]) -> tuple[Reading, int, float]:
         first: Reading | None = None
-        last_wall = 0.0
+        last_wall = cpu_start = 0.0
         num_tokens = 0
         async with client.stream("POST", f"{self.server.url}/v1/completions",
                                  json=body) as resp:
@@ -207,11 +240,13 @@ class ServerSide:
                 choices = chunk.get("choices") or ()
                 if choices and (first is not None or any(c.get("text") for c in choices)):
                     last_wall = time.perf_counter()
-                    first = first or _proc_reading(self.pid)
+                    if first is None:
+                        first, cpu_start = _proc_reading(self.pid), time.thread_time()
         assert first is not None and num_tokens, "the stream carried no text or no usage"
+        client_cpu_s = time.thread_time() - cpu_start
         end = _proc_reading(self.pid)
-        return Reading(last_wall - first.wall, end.cpu_s - first.cpu_s,
-                       end.switches - first.switches), num_tokens - 1
+        return (Reading(last_wall - first.wall, end.cpu_s - first.cpu_s,
+                        end.switches - first.switches), num_tokens - 1, client_cpu_s)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -229,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             if args.side in ("server", "both"):
                 sides.append(ServerSide(model_dir, args.threads, args.output_len, Path(tmp),
-                                        ["--dtype", args.dtype, *args.serve_arg]))
+                                        ["--dtype", args.dtype, *args.serve_arg], args.client))
             if args.side in ("offline", "both"):
                 sides.insert(0, OfflineSide(model_dir, args.threads, args.output_len,
                                             args.dtype))
@@ -248,10 +283,14 @@ def run(args: argparse.Namespace) -> int:
         itl = [s.itl_ms for s in mine]
         cpu = [s.cpu_ms_per_token for s in mine]
         switches = [s.switches_per_token for s in mine]
+        clients = [s.client_cpu_ms_per_token for s in mine
+                   if s.client_cpu_ms_per_token is not None]
+        client = (f"; client CPU ms/token {statistics.median(clients):.3f} ({args.client})"
+                  if clients else "")
         print(f"{name:8s} ITL ms: median {statistics.median(itl):6.2f} "
               f"(min {min(itl):.2f}, max {max(itl):.2f}); CPU ms/token: median "
               f"{statistics.median(cpu):6.2f} (min {min(cpu):.2f}, max {max(cpu):.2f}); "
-              f"switches/token {statistics.median(switches):.1f}; "
+              f"switches/token {statistics.median(switches):.1f}{client}; "
               f"{len(mine)} repeats x {mine[0].tokens} tokens; load average "
               f"{os.getloadavg()[0]:.1f}")
     return 0
