@@ -9,7 +9,9 @@ first token and the last, divided by the tokens in between), and the voluntary c
 per token of all its threads (a thread that sleeps and is woken again: an OpenMP worker waiting in
 the kernel between parallel regions shows here). CPU time is the steadier figure on a shared
 machine: another process running meanwhile stretches wall time but not this process's CPU.
-Repeats alternate between the sides, so both see the same moments' load.
+Repeats alternate between the sides, so both see the same moments' load, and the summary gives
+the median of each repeat's server / offline ratio: short repeats (few prompts, many repeats)
+follow the VM's drift most closely.
 
 The server side's client shares the machine: its CPU per token (this thread's, first text to
 end) is reported beside the server's, since on 2 cores every millisecond it spends is one the
@@ -293,4 +295,17 @@ def run(args: argparse.Namespace) -> int:
               f"switches/token {statistics.median(switches):.1f}{client}; "
               f"{len(mine)} repeats x {mine[0].tokens} tokens; load average "
               f"{os.getloadavg()[0]:.1f}")
+    pairs = _pair_ratios(samples)
+    if pairs:
+        print("server / offline ITL, per interleaved repeat: median "
+              f"{statistics.median(pairs):.3f} (min {min(pairs):.3f}, max {max(pairs):.3f}; "
+              f"{len(pairs)} pairs)")
     return 0
+
+
+def _pair_ratios(samples: Sequence[Sample]) -> list[float]:
+    """server ITL / offline ITL of each repeat both sides ran. Each pair ran back to back, so
+    the ratio is steadier than a ratio of medians on a VM whose speed drifts over seconds."""
+    offline = {s.repeat: s.itl_ms for s in samples if s.side == "offline"}
+    return [s.itl_ms / offline[s.repeat] for s in samples
+            if s.side == "server" and s.repeat in offline]

@@ -21,10 +21,12 @@ def test_both_sides_report_every_repeat_with_the_decoded_tokens(
     code = main(["server-path", "--model", str(model_dir), "--num-prompts", "2",
                  "--input-len", "16", "--output-len", "5", "--repeats", "2", "--threads", "1"])
     assert code == 0
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()
-            if line.startswith("{")]
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert "server / offline ITL, per interleaved repeat: median" in out and "2 pairs" in out
     assert [(r["side"], r["repeat"]) for r in rows] == [
         ("offline", 0), ("server", 0), ("offline", 1), ("server", 1)]
     for row in rows:
         assert row["tokens"] == 2 * 4  # two prompts, the gaps after each first token
         assert row["itl_ms"] > 0 and row["cpu_ms_per_token"] >= 0
+        assert (row["client_cpu_ms_per_token"] is None) == (row["side"] == "offline")
