@@ -1,5 +1,6 @@
 """The fused decode step (csrc/decode_step.c) against the per-op path it replaces: the same
-kernels in the same order, so logits and every written K/V equal bit for bit."""
+kernels in the same order, so logits and every written K/V equal bit for bit, for bf16 models
+and for float32 models over packed GGUF blocks."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from kvserve.model import LlamaForCausalLM, cpu_kernels
 from kvserve.model.bf16_linear import kernel_serves_bf16
 from kvserve.model.config import ModelConfig
 from kvserve.model.decode_step import FusedDecode
+from kvserve.model.quant_linear import KERNEL_MAX_TOKENS
+from kvserve.model.quantized_model import pack_quantized, quantize_weights
 
 from .arch_configs import ARCH_CONFIGS, base_config
 from .paged_harness import PagedRunner
@@ -17,6 +20,10 @@ from .paged_harness import PagedRunner
 needs_kernel = pytest.mark.skipif(
     not kernel_serves_bf16() or not cpu_kernels.available("decode_step"),
     reason="the fused decode step runs where kvserve's bf16 matmul serves (AVX512-BF16, no AMX)")
+
+needs_block_kernels = pytest.mark.skipif(
+    not cpu_kernels.available("decode_step") or not cpu_kernels.available("quant"),
+    reason="the fused decode step over GGUF blocks runs on kvserve's AVX-512 kernel set")
 
 # Head dim 32 (rotary needs half a head in 16-lane vectors), GQA 4/2, odd-ish sizes.
 SHAPE = {"hidden_size": 128, "intermediate_size": 176, "num_attention_heads": 4,
@@ -32,6 +39,21 @@ def packed_model(seed: int, **overrides: object) -> LlamaForCausalLM:
             param.normal_(0, 0.5 if param.dim() > 1 else 1.0)
     model.fuse_projections()
     model.pack_for_onednn()
+    return model.eval()
+
+
+def block_model(seed: int, ggml_type: str, **overrides: object) -> LlamaForCausalLM:
+    """A float32 model whose projections are `ggml_type` blocks (the lm_head Q8_0), packed as
+    a GGUF file's are served. Widths are multiples of 32, as the blocks need."""
+    torch.manual_seed(seed)
+    config = ModelConfig.from_dict(base_config(**{**SHAPE, "intermediate_size": 192,
+                                                  **overrides}))
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.5 if param.dim() > 1 else 1.0)
+    model.fuse_projections()
+    pack_quantized(model, quantize_weights(model, ggml_type))
     return model.eval()
 
 
@@ -116,3 +138,29 @@ def test_steps_with_tensor_parallel_ranks_take_the_per_op_path(fused_calls):
     got = run_steps(model, fused=True)
     assert fused_calls and not any(fused_calls)
     assert_same(got, run_steps(model, fused=False))
+
+
+@needs_block_kernels
+@pytest.mark.parametrize(("ggml_type", "arch"), [("Q4_1", "plain"), ("Q8_0", "biases")])
+def test_packed_blocks_equal_the_per_op_path_bit_for_bit(ggml_type, arch, fused_calls):
+    overrides = {"attention_bias": True, "mlp_bias": True} if arch == "biases" else {}
+    model = block_model(4, ggml_type, **overrides)
+    assert model.model.fused_decode is not None
+    got = run_steps(model, fused=True)
+    assert fused_calls.count(True) == 14 and fused_calls.count(False) == 2, fused_calls
+    assert_same(got, run_steps(model, fused=False))
+
+
+@needs_block_kernels
+def test_packed_blocks_decline_what_the_block_kernels_do_not_take(fused_calls):
+    # A projection left float32 (an input width that is no multiple of 32) is not a block
+    # kernel's: the model is not fused.
+    assert block_model(0, "Q4_1", intermediate_size=176).model.fused_decode is None
+    # More decodes in a step than the block kernels take a call: the per-op path decodes the
+    # weights whole, and so does the step.
+    model = block_model(1, "Q8_0")
+    runner = PagedRunner(model, num_blocks=4 * (KERNEL_MAX_TOKENS + 1), block_size=4, seed=1)
+    seqs = [(f"s{i}", [3 + i % 50]) for i in range(KERNEL_MAX_TOKENS + 1)]
+    runner.step(seqs)  # a prefill of one token each
+    runner.step([(name, [9]) for name, _ in seqs])
+    assert fused_calls == [False, False]

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from kvserve.model.config import ModelConfig
+from kvserve.model.decode_step import FusedDecode
 from kvserve.model.ggml_blocks import BLOCK, QuantizedWeight, concat_rows, dequantize, quantize
 from kvserve.model.layers import LinearOp, drop_dense
 from kvserve.model.llama import DecoderLayer, LlamaForCausalLM
@@ -105,6 +106,7 @@ def pack_quantized(model: LlamaForCausalLM, weights: Mapping[str, QuantizedWeigh
     model.packed_lm_head = _linear([_lookup({LM_HEAD: head}, LM_HEAD, shape)], None, kernel)
     if not model.config.tie_word_embeddings:
         drop_dense(model.lm_head)
+    model.model.fused_decode = FusedDecode.build(model.model)
 
 
 def _lookup(weights: Mapping[str, QuantizedWeight], name: str,

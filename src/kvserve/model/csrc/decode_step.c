@@ -1,17 +1,20 @@
-/* A whole decode step's decoder layers in one call: kvserve's fused path for bf16 models on
- * CPUs with AVX512-BF16 (the kernel set with bf16_matmul.c).
+/* A whole decode step's decoder layers in one call: kvserve's fused path on AVX-512 CPUs, for
+ * bf16 models whose projections run on kvserve's bf16 matmul (AVX512-BF16) and for float32
+ * models whose projections are GGUF blocks kept packed (Q4_1 / Q8_0 through quant_matmul.c).
  *
  * Contract (kvserve_decode_step): D decodes (one new token each, row t of every activation is
- * decode t's), a Llama-family layer stack without q/k norms, sliding windows or LoRA. hidden
- * [D, hidden_size] bfloat16 holds the token embeddings on entry and is scratch after; out
- * [D, hidden_size] bfloat16 receives the final norm of the last layer's residual stream. Per
- * layer, in order: input RMSNorm; the fused q/k/v projection; rotary on q and k (cos/sin
- * [D, head_dim] float32); K and V stored at slots[t] of the layer's bf16 caches; paged decode
- * attention over positions [0, ends[t]) through row t of tables; o_proj; the residual add and
- * post-attention RMSNorm; gate/up, SwiGLU, down_proj; the residual add (fused with the next
- * norm). Each op is the very kernel the per-op path calls, on the same bf16 tensors, so the
- * result is bit for bit the per-op path's. Returns 0; -2 when scratch memory runs out; else
- * the failing kernel's status (nothing of a layer is skipped silently).
+ * decode t's), a Llama-family layer stack without q/k norms, sliding windows or LoRA, its
+ * activations and K/V caches all bf16 (`bf16` = 1, every projection PROJ_BF16) or all float32
+ * (`bf16` = 0, every projection PROJ_Q4 or PROJ_Q8). hidden [D, hidden_size] holds the token
+ * embeddings on entry and is scratch after; out [D, hidden_size] receives the final norm of the
+ * last layer's residual stream. Per layer, in order: input RMSNorm; the fused q/k/v
+ * projection; rotary on q and k (cos/sin [D, head_dim] float32); K and V stored at slots[t] of
+ * the layer's caches; paged decode attention over positions [0, ends[t]) through row t of
+ * tables; o_proj; the residual add and post-attention RMSNorm; gate/up, SwiGLU, down_proj; the
+ * residual add (fused with the next norm). Each op is the very kernel the per-op path calls, on
+ * the same tensors (a packed projection's bias added after its matmul, as quant_linear does),
+ * so the result is bit for bit the per-op path's. Returns 0; -2 when scratch memory runs out;
+ * else the failing kernel's status (nothing of a layer is skipped silently).
  *
  * Why: at one to a few tokens a step the per-op path pays Python and ATen dispatch (about ten
  * calls a layer) comparable to the matmuls' own time; here it is one call a step. */
@@ -22,12 +25,22 @@
 #include "layer_ops.h"
 #include "vec_math.h"
 
-/* One decoder layer: weights packed for kvserve_bf16_matmul (biases float32 or NULL), RMSNorm
- * weights bf16 [hidden_size], K/V caches bf16 [num_blocks, block_size, num_kv_heads, head_dim]. */
+enum { PROJ_BF16 = 0, PROJ_Q4 = 1, PROJ_Q8 = 2 };
+
+/* One projection's weights: `codes` packed for kvserve_bf16_matmul (PROJ_BF16), or a GGUF
+ * block matrix's codes with its float32 scales (and mins, PROJ_Q4) as quant_matmul.c reads
+ * them; bias float32 [n] or NULL. */
+struct decode_proj {
+    const void *codes;
+    const float *scale, *min, *bias;
+    long kind;
+};
+
+/* One decoder layer: RMSNorm weights [hidden_size] and K/V caches [num_blocks, block_size,
+ * num_kv_heads, head_dim], both in the activations' dtype. */
 struct decode_layer {
     const void *input_norm, *post_norm;
-    const uint16_t *qkv, *o, *gate_up, *down;
-    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias;
+    struct decode_proj qkv, o, gate_up, down;
     void *k_cache, *v_cache;
 };
 
@@ -38,7 +51,7 @@ struct decode_step_args {
     const float *cos, *sin;
     const int64_t *slots, *tables, *ends;
     long num_layers, num_decodes, table_stride, block_size, hidden_size, intermediate_size;
-    int num_heads, num_kv_heads, head_dim, num_threads;
+    int num_heads, num_kv_heads, head_dim, num_threads, bf16;
     float eps, scale;
 };
 
@@ -56,66 +69,89 @@ static void narrow(const float *src, uint16_t *dst, long n) {
         if (status != 0) goto done; \
     } while (0)
 
+/* y [m, n] = x [m, k] @ w.T (+ bias), in the activations' dtype (float32 for packed blocks). */
+static int project(const struct decode_proj *w, const void *x, long x_stride, long m, long n,
+                   long k, void *y, long y_stride, int th) {
+    int status;
+    switch (w->kind) {
+    case PROJ_BF16:
+        return kvserve_bf16_matmul(x, x_stride, m, w->codes, n, k, w->bias, y, y_stride, 1, th);
+    case PROJ_Q4:
+        status = kvserve_q4_matmul(x, x_stride, w->codes, w->scale, w->min, y, y_stride, m, n,
+                                   k, th);
+        break;
+    case PROJ_Q8:
+        status = kvserve_q8_matmul(x, x_stride, w->codes, w->scale, y, y_stride, m, n, k, th);
+        break;
+    default:
+        return -1;
+    }
+    if (status == 0 && w->bias)
+        for (long t = 0; t < m; t++)
+            for (long j = 0; j < n; j++) ((float *)y)[t * y_stride + j] += w->bias[j];
+    return status;
+}
+
 int kvserve_decode_step(const struct decode_step_args *a) {
     const long d_n = a->num_decodes, hid = a->hidden_size, inter = a->intermediate_size;
     const long q_size = (long)a->num_heads * a->head_dim;
     const long kv_size = (long)a->num_kv_heads * a->head_dim;
     const long qkv_n = q_size + 2 * kv_size;
-    const int th = a->num_threads;
+    const int th = a->num_threads, bf = a->bf16;
+    const long es = bf ? 2 : 4;  /* bytes an activation or cache element */
     if (q_size % 16) return -1;
-    /* Scratch, bf16 unless named: residual partner [D, hid], normed [D, hid], qkv [D, qkv_n],
-     * attention in and out in float32 [D, q_size] each and rounded [D, q_size], gate_up
-     * [D, 2 * inter], act [D, inter]. */
-    const long elems16 = d_n * (2 * hid + qkv_n + q_size + 2 * inter + inter);
-    char *mem = aligned_alloc(64, (size_t)(elems16 * 2 + d_n * q_size * 8 + 64) / 64 * 64);
+    /* Scratch in the activations' dtype: residual partner [D, hid], normed [D, hid], qkv
+     * [D, qkv_n], attention out [D, q_size], gate_up [D, 2 * inter], act [D, inter]; for bf16
+     * also q and the attention out in float32 [D, q_size] each (paged decode's dtype). */
+    const long elems = d_n * (2 * hid + qkv_n + q_size + 2 * inter + inter);
+    const long f32 = bf ? 2 * d_n * q_size : 0;
+    char *mem = aligned_alloc(64, (size_t)(elems * es + f32 * 4 + 64) / 64 * 64);
     if (!mem) return -2;
-    uint16_t *other = (uint16_t *)mem, *normed = other + d_n * hid, *qkv = normed + d_n * hid;
-    uint16_t *att = qkv + d_n * qkv_n, *gate_up = att + d_n * q_size;
-    uint16_t *act = gate_up + d_n * 2 * inter;
-    float *q32 = (float *)(act + d_n * inter), *att32 = q32 + d_n * q_size;
-    uint16_t *res = a->hidden;  /* the residual stream; `other` takes each sublayer's output */
+    char *other = mem, *normed = other + d_n * hid * es, *qkv = normed + d_n * hid * es;
+    char *att = qkv + d_n * qkv_n * es, *gate_up = att + d_n * q_size * es;
+    char *act = gate_up + d_n * 2 * inter * es;
+    float *q32 = (float *)(act + d_n * inter * es), *att32 = q32 + d_n * q_size;
+    char *res = a->hidden;  /* the residual stream; `other` takes each sublayer's output */
     int status = 0;
     CHECK(kvserve_rms_norm(res, hid, NULL, 0, a->layers[0].input_norm, normed, hid, d_n, hid,
-                           a->eps, th, 1));
+                           a->eps, th, bf));
     for (long l = 0; l < a->num_layers; l++) {
         const struct decode_layer *w = &a->layers[l];
-        CHECK(kvserve_bf16_matmul(normed, hid, d_n, w->qkv, qkv_n, hid, w->qkv_bias, qkv, qkv_n,
-                                  1, th));
+        CHECK(project(&w->qkv, normed, hid, d_n, qkv_n, hid, qkv, qkv_n, th));
         CHECK(kvserve_rotary(qkv, qkv_n, a->head_dim, d_n, a->num_heads, a->head_dim, a->cos,
-                             a->sin, th, 1));
-        CHECK(kvserve_rotary(qkv + q_size, qkv_n, a->head_dim, d_n, a->num_kv_heads,
-                             a->head_dim, a->cos, a->sin, th, 1));
+                             a->sin, th, bf));
+        CHECK(kvserve_rotary(qkv + q_size * es, qkv_n, a->head_dim, d_n, a->num_kv_heads,
+                             a->head_dim, a->cos, a->sin, th, bf));
         for (long t = 0; t < d_n; t++) {
-            const uint16_t *row = qkv + t * qkv_n;
-            memcpy((uint16_t *)w->k_cache + a->slots[t] * kv_size, row + q_size, kv_size * 2);
-            memcpy((uint16_t *)w->v_cache + a->slots[t] * kv_size, row + q_size + kv_size,
-                   kv_size * 2);
-            widen(row, q32 + t * q_size, q_size);
+            const char *row = qkv + t * qkv_n * es;
+            memcpy((char *)w->k_cache + a->slots[t] * kv_size * es, row + q_size * es,
+                   kv_size * es);
+            memcpy((char *)w->v_cache + a->slots[t] * kv_size * es, row + (q_size + kv_size) * es,
+                   kv_size * es);
+            if (bf) widen((const uint16_t *)row, q32 + t * q_size, q_size);
         }
         const struct decode_args dec = {
-            .q = q32, .k_cache = w->k_cache, .v_cache = w->v_cache, .tables = a->tables,
-            .starts = NULL, .ends = a->ends, .prior_out = NULL, .prior_lse = NULL,
-            .out = att32, .num_decodes = d_n, .table_stride = a->table_stride,
-            .block_size = a->block_size, .q_stride_t = q_size, .q_stride_h = a->head_dim,
+            .q = bf ? q32 : (const float *)qkv, .k_cache = w->k_cache, .v_cache = w->v_cache,
+            .tables = a->tables, .starts = NULL, .ends = a->ends, .prior_out = NULL,
+            .prior_lse = NULL, .out = bf ? att32 : (float *)att, .num_decodes = d_n,
+            .table_stride = a->table_stride, .block_size = a->block_size,
+            .q_stride_t = bf ? q_size : qkv_n, .q_stride_h = a->head_dim,
             .num_heads = a->num_heads, .num_kv_heads = a->num_kv_heads,
-            .head_dim = a->head_dim, .num_threads = th, .scale = a->scale, .kv_bf16 = 1};
+            .head_dim = a->head_dim, .num_threads = th, .scale = a->scale, .kv_bf16 = bf};
         CHECK(kvserve_paged_decode(&dec));
-        narrow(att32, att, d_n * q_size);
-        CHECK(kvserve_bf16_matmul(att, q_size, d_n, w->o, hid, q_size, w->o_bias, other, hid,
-                                  1, th));
+        if (bf) narrow(att32, (uint16_t *)att, d_n * q_size);
+        CHECK(project(&w->o, att, q_size, d_n, hid, q_size, other, hid, th));
         /* other = res + attention output: the new residual; res is free for the MLP's output */
         CHECK(kvserve_rms_norm(res, hid, other, hid, w->post_norm, normed, hid, d_n, hid,
-                               a->eps, th, 1));
-        uint16_t *swap = res;
+                               a->eps, th, bf));
+        char *swap = res;
         res = other, other = swap;
-        CHECK(kvserve_bf16_matmul(normed, hid, d_n, w->gate_up, 2 * inter, hid,
-                                  w->gate_up_bias, gate_up, 2 * inter, 1, th));
-        CHECK(kvserve_silu_mul(gate_up, 2 * inter, act, inter, d_n, inter, th, 1));
-        CHECK(kvserve_bf16_matmul(act, inter, d_n, w->down, hid, inter, w->down_bias, other,
-                                  hid, 1, th));
+        CHECK(project(&w->gate_up, normed, hid, d_n, 2 * inter, hid, gate_up, 2 * inter, th));
+        CHECK(kvserve_silu_mul(gate_up, 2 * inter, act, inter, d_n, inter, th, bf));
+        CHECK(project(&w->down, act, inter, d_n, hid, inter, other, hid, th));
         const void *next = l + 1 < a->num_layers ? a->layers[l + 1].input_norm : a->final_norm;
         CHECK(kvserve_rms_norm(res, hid, other, hid, next, l + 1 < a->num_layers ? normed : a->out,
-                               hid, d_n, hid, a->eps, th, 1));
+                               hid, d_n, hid, a->eps, th, bf));
         swap = res;
         res = other, other = swap;
     }

@@ -1,6 +1,7 @@
-/* The per-op kernels a decoder layer is made of (pointwise.c, bf16_matmul.c, attention.c), as
- * the fused decode step (decode_step.c) calls them; their sources include this header too, so
- * the compiler checks each definition against it. Contracts are at the definitions. */
+/* The per-op kernels a decoder layer is made of (pointwise.c, bf16_matmul.c, quant_matmul.c,
+ * attention.c), as the fused decode step (decode_step.c) calls them; their sources include
+ * this header too, so the compiler checks each definition against it. Contracts are at the
+ * definitions. */
 #ifndef KVSERVE_LAYER_OPS_H
 #define KVSERVE_LAYER_OPS_H
 
@@ -19,5 +20,11 @@ int kvserve_rotary(void *x, long x_stride_t, long x_stride_h, long tokens, long 
 int kvserve_bf16_matmul(const uint16_t *x, long x_stride, long m, const uint16_t *packed,
                         long n, long k, const float *bias, void *y, long y_stride, int y_bf16,
                         int num_threads);
+int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes, const float *scale,
+                      const float *min, float *out, long out_stride, long tokens,
+                      long out_features, long in_features, int num_threads);
+int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes, const float *scale,
+                      float *out, long out_stride, long tokens, long out_features,
+                      long in_features, int num_threads);
 
 #endif

@@ -17,6 +17,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "layer_ops.h"
+
 #define TILE_T 4        /* tokens a loaded weight block serves at once */
 #define MAX_TOKENS 4096 /* a sanity bound on one call's rows */
 
