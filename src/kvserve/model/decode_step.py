@@ -108,6 +108,7 @@ class FusedDecode:
         self.head_dim = first.head_dim
         self.hidden_size = model.norm.weight.shape[0]
         self.dtype = model.norm.weight.dtype
+        self._bf16 = int(self.dtype == torch.bfloat16)  # decode_step_args.bf16
         down = model.layers[0].mlp.packed_down
         assert isinstance(down, Bf16Linear | BlockKernelLinear)
         self.intermediate_size = down.in_features
@@ -145,7 +146,8 @@ class FusedDecode:
                     or any(w.dtype != hidden.dtype or not w.is_contiguous() for w in norms)):
                 return None
         down = model.layers[0].mlp.packed_down
-        if isinstance(down, Bf16Linear | BlockKernelLinear) and down.in_features % 16:
+        assert isinstance(down, Bf16Linear | BlockKernelLinear)  # every op passed _serves
+        if down.in_features % 16:
             return None
         return cls(model)
 
@@ -177,8 +179,7 @@ class FusedDecode:
             slots.data_ptr(), plan.block_tables.data_ptr(), plan.seq_lens.data_ptr(),
             len(self._layers), hidden.shape[0], plan.block_tables.stride(0), cache.block_size,
             self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads,
-            self.head_dim, torch.get_num_threads(), int(self.dtype == torch.bfloat16), self.eps,
-            self.scale)
+            self.head_dim, torch.get_num_threads(), self._bf16, self.eps, self.scale)
         status = lib.kvserve_decode_step(ctypes.addressof(args))
         if status != 0:
             raise RuntimeError(f"kvserve's fused decode step failed (status {status}: -2 is "
