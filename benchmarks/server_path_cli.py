@@ -1,17 +1,24 @@
 """`python -m benchmarks server-path`: what the server path adds per token at concurrency 1.
 
 The same prompts (`--input-len` tokens, `--output-len` out, greedy, EOS ignored) run one at a time
-through (a) the offline engine in this process (`LLMEngine.step()` until the request finishes) and
-(b) a launched `kvserve serve` with the same engine arguments, streamed over HTTP. For each, per
-repeat: the ITL (wall time between consecutive tokens, mean over the decode of every prompt) and
-the CPU time per decoded token (user + system of the whole process, every thread, between the
-first token and the last, divided by the tokens in between), and the voluntary context switches
-per token of all its threads (a thread that sleeps and is woken again: an OpenMP worker waiting in
-the kernel between parallel regions shows here). CPU time is the steadier figure on a shared
-machine: another process running meanwhile stretches wall time but not this process's CPU.
-Repeats alternate between the sides, so both see the same moments' load, and the summary gives
-the median of each repeat's server / offline ratio: short repeats (few prompts, many repeats)
+through (a) the offline engine (`LLMEngine.step()` until the request finishes) in a process of
+its own and (b) a launched `kvserve serve` with the same engine arguments, streamed over HTTP.
+For each, per repeat: the ITL (wall time between consecutive tokens, mean over the decode of every
+prompt) and the CPU time per decoded token (user + system of the whole process, every thread,
+between the first token and the last, divided by the tokens in between), and the voluntary context
+switches per token of all its threads (a thread that sleeps and is woken again: an OpenMP worker
+waiting in the kernel between parallel regions shows here). CPU time is the steadier figure on a
+shared machine: another process running meanwhile stretches wall time but not this process's CPU.
+Repeats alternate between the sides, so both see the same moments' load, and the summary gives the
+median of each repeat's server / offline ratio: short repeats (few prompts, many repeats)
 follow the VM's drift most closely.
+
+`--instances N` starts N such pairs of processes one after the other (a fresh server and a fresh
+offline process each, `--repeats` interleaved repeats in each): on a VM one engine can be 5-12%
+faster than an identical one built elsewhere in memory (benchmarks/server_path_offline.py), so
+one pair measures placement as much as the server path. The summary gives each instance's
+medians and, over all of them, the median pair ratio and the ratio of the sides' medians of
+instance medians.
 
 The server side's client shares the machine: its CPU per token (this thread's, first text to
 end) is reported beside the server's, since on 2 cores every millisecond it spends is one the
@@ -26,17 +33,23 @@ import argparse
 import asyncio
 import json
 import os
-import resource
 import statistics
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from benchmarks.server_path_offline import (
+    KV_CACHE_BYTES,
+    MAX_MODEL_LEN,
+    WARMUP_PROMPT,
+    OfflineSide,
+    worker_main,
+)
+from benchmarks.server_path_readings import Reading, Sample, make_sample, proc_reading
 from benchmarks.sse_reader import stream_completion
 
 
@@ -48,7 +61,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per repeat")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats per side")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed repeats per side and instance")
+    p.add_argument("--instances", type=int, default=1,
+                   help="pairs of fresh processes (a server, an offline engine), one after the "
+                        "other (see the module docstring)")
+    p.add_argument("--offline-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="the model's dtype, on both sides")
@@ -57,113 +75,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                    help="extra `kvserve serve` argument (repeatable, e.g. --serve-arg=--flag)")
     p.set_defaults(func=run)
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """One repeat of one side, over all its prompts' decodes: wall ms, CPU ms and voluntary
-    context switches per token."""
-
-    side: str
-    repeat: int
-    itl_ms: float
-    cpu_ms_per_token: float
-    switches_per_token: float
-    tokens: int
-    client_cpu_ms_per_token: float | None = None  # the server side's client (None offline)
-
-    def row(self) -> dict[str, Any]:
-        client = self.client_cpu_ms_per_token
-        return {"side": self.side, "repeat": self.repeat, "itl_ms": round(self.itl_ms, 2),
-                "cpu_ms_per_token": round(self.cpu_ms_per_token, 2),
-                "switches_per_token": round(self.switches_per_token, 1), "tokens": self.tokens,
-                "client_cpu_ms_per_token": None if client is None else round(client, 3)}
-
-
-@dataclass(frozen=True, slots=True)
-class Reading:
-    """A process's clocks at one moment: wall (perf_counter), CPU s, voluntary switches."""
-
-    wall: float
-    cpu_s: float
-    switches: int
-
-    def __sub__(self, other: Reading) -> Reading:
-        return Reading(self.wall - other.wall, self.cpu_s - other.cpu_s,
-                       self.switches - other.switches)
-
-
-KV_CACHE_BYTES = 256 << 20  # both sides: enough for one request, small beside the weights
-MAX_MODEL_LEN = 4096
-WARMUP_PROMPT = "a warm-up prompt " * 8
-
-
-def _self_reading() -> Reading:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return Reading(time.perf_counter(), usage.ru_utime + usage.ru_stime, usage.ru_nvcsw)
-
-
-def _proc_reading(pid: int) -> Reading:
-    """`pid`'s clocks, summed over its threads (/proc/PID/stat and each task's status)."""
-    now = time.perf_counter()
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
-    switches = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            status = (task / "status").read_text()
-        except OSError:
-            continue  # the thread ended meanwhile
-        line = next(ln for ln in status.splitlines() if ln.startswith("voluntary_ctxt"))
-        switches += int(line.split()[1])
-    return Reading(now, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"),
-                   switches)
-
-
-def _sample(side: str, repeat: int, spans: Sequence[tuple[Reading, int]],
-            client_cpu_s: float | None = None) -> Sample:
-    """One repeat from each request's (last - first reading, tokens after the first)."""
-    tokens = sum(n for _, n in spans)
-    return Sample(side, repeat, 1e3 * sum(r.wall for r, _ in spans) / tokens,
-                  1e3 * sum(r.cpu_s for r, _ in spans) / tokens,
-                  sum(r.switches for r, _ in spans) / tokens, tokens,
-                  None if client_cpu_s is None else 1e3 * client_cpu_s / tokens)
-
-
-class OfflineSide:
-    """The offline engine in this process: each prompt through LLMEngine.step() alone."""
-
-    name = "offline"
-
-    def __init__(self, model_dir: Path, threads: int, output_len: int, dtype: str) -> None:
-        from kvserve.engine import SamplingParams
-        from kvserve.runtime import EngineArgs, LLMEngine
-
-        self.engine = LLMEngine.from_args(EngineArgs(
-            model=str(model_dir), num_threads=threads, kv_cache_memory_bytes=KV_CACHE_BYTES,
-            max_model_len=MAX_MODEL_LEN, dtype=dtype))
-        self.params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-        self._one("warmup", WARMUP_PROMPT)
-
-    def run(self, repeat: int, prompts: Sequence[str]) -> Sample:
-        return _sample(self.name, repeat, [self._one(f"r{repeat}-{i}", prompt)
-                                           for i, prompt in enumerate(prompts)])
-
-    def _one(self, request_id: str, prompt: str) -> tuple[Reading, int]:
-        """(readings from the first token to the last, tokens after the first)."""
-        self.engine.add_request(request_id, prompt, self.params)
-        first: Reading | None = None
-        num_tokens = 0
-        while self.engine.has_unfinished:
-            outputs = self.engine.step()
-            produced = sum(len(o.outputs[0].token_ids) for o in outputs
-                           if o.request_id == request_id)
-            if produced and first is None:
-                first, num_tokens = _self_reading(), produced
-            elif produced:
-                num_tokens = produced
-        assert first is not None, "the request produced no token"
-        return _self_reading() - first, num_tokens - 1
 
 
 class ServerSide:
@@ -179,7 +90,7 @@ class ServerSide:
     name = "server"
 
     def __init__(self, model_dir: Path, threads: int, output_len: int, log_dir: Path,
-                 extra: Sequence[str], client: str) -> None:
+                 extra: Sequence[str], client: str, instance: int) -> None:
         from kvserve.bench.server_launch import LaunchedServer, LaunchSpec
 
         self.spec = LaunchSpec(model_dir=model_dir.resolve(), served_model_name=model_dir.name,
@@ -188,6 +99,7 @@ class ServerSide:
                                num_threads=threads, extra_args=tuple(extra))
         self.output_len = output_len
         self.client = client
+        self.instance = instance
         self.server = LaunchedServer("kvserve", self.spec, log_dir, 600.0)
         self.server.start()
         assert self.server.pid is not None
@@ -199,8 +111,8 @@ class ServerSide:
 
     def run(self, repeat: int, prompts: Sequence[str]) -> Sample:
         results = self._stream(prompts)
-        return _sample(self.name, repeat, [(r, n) for r, n, _ in results],
-                       sum(c for _, _, c in results))
+        return make_sample(self.name, repeat, [(r, n) for r, n, _ in results],
+                           sum(c for _, _, c in results), self.instance)
 
     def _stream(self, prompts: Sequence[str]) -> list[tuple[Reading, int, float]]:
         from kvserve.bench.serve_load import completion_body
@@ -214,8 +126,8 @@ class ServerSide:
     def _one_socket(self, body: dict[str, Any]) -> tuple[Reading, int, float]:
         readings: list[Reading] = []
         times = stream_completion(self.server.url, body,
-                                  lambda: readings.append(_proc_reading(self.pid)))
-        end = _proc_reading(self.pid)
+                                  lambda: readings.append(proc_reading(self.pid)))
+        end = proc_reading(self.pid)
         (first,) = readings
         return (Reading(times.last_choice - times.first_text, end.cpu_s - first.cpu_s,
                         end.switches - first.switches), times.completion_tokens - 1,
@@ -243,41 +155,63 @@ class ServerSide:
                 if choices and (first is not None or any(c.get("text") for c in choices)):
                     last_wall = time.perf_counter()
                     if first is None:
-                        first, cpu_start = _proc_reading(self.pid), time.thread_time()
+                        first, cpu_start = proc_reading(self.pid), time.thread_time()
         assert first is not None and num_tokens, "the stream carried no text or no usage"
         client_cpu_s = time.thread_time() - cpu_start
-        end = _proc_reading(self.pid)
+        end = proc_reading(self.pid)
         return (Reading(last_wall - first.wall, end.cpu_s - first.cpu_s,
                         end.switches - first.switches), num_tokens - 1, client_cpu_s)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.bench.engine_workloads import ensure_bench_model
+
+    model_dir = ensure_bench_model(args.model)
+    if args.offline_worker:
+        return worker_main(model_dir, args.threads, args.output_len, args.dtype)
+    if args.instances < 1 or args.repeats < 1:
+        raise SystemExit("server-path: --instances and --repeats must be at least 1")
     from kvserve.bench.serve_prompts import PromptBuilder, PromptSpec
     from kvserve.model import Tokenizer
 
-    model_dir = ensure_bench_model(args.model)
     builder = PromptBuilder(Tokenizer.from_pretrained(model_dir))
     spec = PromptSpec(args.num_prompts, args.input_len, 0.0)
-    prompts = [builder.build(spec, f"server-path/{r}") for r in range(args.repeats)]
     samples: list[Sample] = []
     with tempfile.TemporaryDirectory(prefix="kvserve-server-path-") as tmp:
-        sides: list[OfflineSide | ServerSide] = []
-        try:
-            if args.side in ("server", "both"):
-                sides.append(ServerSide(model_dir, args.threads, args.output_len, Path(tmp),
-                                        ["--dtype", args.dtype, *args.serve_arg], args.client))
-            if args.side in ("offline", "both"):
-                sides.insert(0, OfflineSide(model_dir, args.threads, args.output_len,
-                                            args.dtype))
-            for repeat in range(args.repeats):  # interleaved: both see the same moments' load
-                for side in sides:
-                    samples.append(side.run(repeat, prompts[repeat]))
-                    print(json.dumps(samples[-1].row()), flush=True)
-        finally:
+        for instance in range(args.instances):
+            samples += _run_instance(args, model_dir, Path(tmp), instance, builder, spec)
+    _summarize(args, samples)
+    return 0
+
+
+def _run_instance(args: argparse.Namespace, model_dir: Path, tmp: Path, instance: int,
+                  builder: Any, spec: Any) -> list[Sample]:
+    """One pair of fresh processes, `--repeats` repeats interleaved between them."""
+    samples: list[Sample] = []
+    sides: list[OfflineSide | ServerSide] = []
+    try:
+        if args.side in ("offline", "both"):
+            sides.append(OfflineSide(model_dir, args.threads, args.output_len, args.dtype,
+                                     instance))
+        if args.side in ("server", "both"):
+            log_dir = tmp / f"instance-{instance}"
+            log_dir.mkdir()
+            sides.append(ServerSide(model_dir, args.threads, args.output_len, log_dir,
+                                    ["--dtype", args.dtype, *args.serve_arg], args.client,
+                                    instance))
+        for r in range(args.repeats):  # interleaved: both see the same moments' load
+            repeat = instance * args.repeats + r
+            prompts = builder.build(spec, f"server-path/{repeat}")
             for side in sides:
-                if isinstance(side, ServerSide):
-                    side.close()
+                samples.append(side.run(repeat, prompts))
+                print(json.dumps(samples[-1].row()), flush=True)
+    finally:
+        for side in sides:
+            side.close()
+    return samples
+
+
+def _summarize(args: argparse.Namespace, samples: Sequence[Sample]) -> None:
     for name in ("offline", "server"):
         mine = [s for s in samples if s.side == name]
         if not mine:
@@ -295,12 +229,33 @@ def run(args: argparse.Namespace) -> int:
               f"switches/token {statistics.median(switches):.1f}{client}; "
               f"{len(mine)} repeats x {mine[0].tokens} tokens; load average "
               f"{os.getloadavg()[0]:.1f}")
+    by_instance = _instance_medians(samples)
+    if args.instances > 1:
+        for name, medians in by_instance.items():
+            print(f"{name:8s} ITL ms, median of each instance: "
+                  + " ".join(f"{m:.2f}" for m in medians))
     pairs = _pair_ratios(samples)
     if pairs:
         print("server / offline ITL, per interleaved repeat: median "
               f"{statistics.median(pairs):.3f} (min {min(pairs):.3f}, max {max(pairs):.3f}; "
               f"{len(pairs)} pairs)")
-    return 0
+    if args.instances > 1 and len(by_instance) == 2:
+        ratio = (statistics.median(by_instance["server"])
+                 / statistics.median(by_instance["offline"]))
+        print(f"server / offline ITL, median of instance medians: {ratio:.3f} "
+              f"({args.instances} instances)")
+
+
+def _instance_medians(samples: Sequence[Sample]) -> dict[str, list[float]]:
+    """Each side's median ITL in each instance, in instance order."""
+    out: dict[str, list[float]] = {}
+    for name in ("offline", "server"):
+        instances = sorted({s.instance for s in samples if s.side == name})
+        if instances:
+            out[name] = [statistics.median(s.itl_ms for s in samples
+                                           if s.side == name and s.instance == i)
+                         for i in instances]
+    return out
 
 
 def _pair_ratios(samples: Sequence[Sample]) -> list[float]:

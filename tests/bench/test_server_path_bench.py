@@ -30,3 +30,29 @@ def test_both_sides_report_every_repeat_with_the_decoded_tokens(
         assert row["tokens"] == 2 * 4  # two prompts, the gaps after each first token
         assert row["itl_ms"] > 0 and row["cpu_ms_per_token"] >= 0
         assert (row["client_cpu_ms_per_token"] is None) == (row["side"] == "offline")
+        assert row["instance"] == 0
+
+
+def test_each_instance_is_a_fresh_pair_of_processes_and_the_summary_spans_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model_dir = write_random_checkpoint(tmp_path / "tiny", TINY, seed=5)
+    code = main(["server-path", "--model", str(model_dir), "--num-prompts", "1",
+                 "--input-len", "16", "--output-len", "4", "--repeats", "1", "--threads", "1",
+                 "--instances", "2"])
+    assert code == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [(r["side"], r["instance"], r["repeat"]) for r in rows] == [
+        ("offline", 0, 0), ("server", 0, 0), ("offline", 1, 1), ("server", 1, 1)]
+    medians = {line.split()[0]: line.split(":", 1)[1].split()
+               for line in out.splitlines() if "median of each instance" in line}
+    assert {side: len(values) for side, values in medians.items()} == {"offline": 2,
+                                                                      "server": 2}
+    assert "median of instance medians" in out and "(2 instances)" in out
+
+
+def test_a_failed_offline_worker_is_reported_not_waited_on(tmp_path: Path) -> None:
+    from benchmarks.server_path_offline import OfflineSide
+
+    with pytest.raises(RuntimeError, match="offline worker .* ended"):
+        OfflineSide(tmp_path / "no-such-model", 1, 4, "float32", instance=0)
