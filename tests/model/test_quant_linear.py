@@ -111,6 +111,24 @@ def test_every_path_computes_the_dequantized_matmul(ggml_type: str, path: str) -
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
+@pytest.mark.parametrize("in_features", [32, 64, 96, 160, 576])
+def test_one_token_takes_every_block_whatever_their_count(ggml_type: str,
+                                                          in_features: int) -> None:
+    """One token runs the 4-bit kernels' pairwise path (two blocks a step, two pairs a loop,
+    an odd last block alone): 1 to 18 blocks cover each of those tails. A block left out or
+    read with another block's scale fails the exact comparison."""
+    if not cpu_kernels.available("quant"):
+        pytest.skip("kvserve's CPU kernels need x86-64 with AVX2 or AVX-512 and a C compiler")
+    layer = make_quantized_linear(_weight(ggml_type, 72, in_features, seed=3), None)
+    assert isinstance(layer, BlockKernelLinear)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        x = torch.randn(1, in_features, generator=gen) * torch.rand(in_features, generator=gen)
+        torch.testing.assert_close(layer(x).double(), _int16_kernel_reference(layer, x),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
 def test_the_kernels_decode_the_weight_as_torch_does(ggml_type: str) -> None:
     """Prefill (more rows than KERNEL_MAX_TOKENS) multiplies by the weight the kernels decode."""
     lib = cpu_kernels.library("quant")

@@ -127,6 +127,85 @@ static inline __m512 block_dot(__m512i w, const int16_t *xq) {
                           xr.sum + t0 * blocks, out[t0 * out_stride + n]);                  \
     } while (0)
 
+/* One token (decoding at one sequence, where the matmul reads every weight once and must keep up
+ * with memory): two blocks a step. A 32-byte load holds blocks b and b + 1's codes; widened to
+ * int16 lanes, its low nibbles are weights 0-15 of each block and its high nibbles weights
+ * 16-31, so the token's codes are laid out to match once per call (`pair_order`): then per
+ * block pair one widening, two vpmaddwd and one float FMA, whose 16 lanes carry block b's
+ * scale in the low 8 and block b + 1's in the high 8. Each block's d * dx is taken in a
+ * vector pass per row, and the min term sum_b m_b * S_b is a dot product over blocks. */
+static void pair_order(const int16_t *q, long blocks, int16_t *xp) {
+    for (long b = 0; b + 1 < blocks; b += 2) {
+        const int16_t *a = q + b * 32, *c = a + 32;
+        int16_t *lo = xp + b * 32, *hi = lo + 32;
+        __builtin_memcpy(lo, a, 32), __builtin_memcpy(lo + 16, c, 32);
+        __builtin_memcpy(hi, a + 16, 32), __builtin_memcpy(hi + 16, c + 16, 32);
+    }
+}
+
+/* Blocks b and b + 1 of a row against the token's pair-ordered codes: 16 float partial sums,
+ * block b's in lanes 0-7 and block b + 1's in lanes 8-15. */
+static inline __m512 q4_pair_dot(const uint8_t *row, const int16_t *xp, long b) {
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(row + b * 16)));
+    const __m512i low4 = _mm512_set1_epi16(0x0F);
+    return _mm512_cvtepi32_ps(_mm512_add_epi32(
+        _mm512_madd_epi16(_mm512_and_si512(w, low4), _mm512_loadu_si512(xp + b * 32)),
+        _mm512_madd_epi16(_mm512_srli_epi16(w, 4), _mm512_loadu_si512(xp + b * 32 + 32))));
+}
+
+/* ds[b] in lanes 0-7, ds[b + 1] in lanes 8-15 (both broadcast from memory). */
+static inline __m512 pair_scale(const float *ds, long b) {
+    return _mm512_mask_broadcastss_ps(_mm512_set1_ps(ds[b]), 0xFF00, _mm_load_ss(ds + b + 1));
+}
+
+static float q4_one_token_row(const uint8_t *row, const float *d, const float *m,
+                              const act_rows *xr, const int16_t *xp, long blocks, float *ds) {
+    __m512 msum = _mm512_setzero_ps();
+    long b = 0;
+    for (; b + 16 <= blocks; b += 16) {
+        _mm512_storeu_ps(ds + b,
+                         _mm512_mul_ps(_mm512_loadu_ps(d + b), _mm512_loadu_ps(xr->d + b)));
+        msum = _mm512_fmadd_ps(_mm512_loadu_ps(m + b), _mm512_loadu_ps(xr->sum + b), msum);
+    }
+    if (b < blocks) {
+        const __mmask16 k = (__mmask16)((1u << (blocks - b)) - 1);
+        _mm512_mask_storeu_ps(ds + b, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, d + b),
+                                                       _mm512_maskz_loadu_ps(k, xr->d + b)));
+        msum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m + b),
+                               _mm512_maskz_loadu_ps(k, xr->sum + b), msum);
+    }
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+    for (b = 0; b + 3 < blocks; b += 4) {  /* two pairs an iteration: two accumulators */
+        a0 = _mm512_fmadd_ps(q4_pair_dot(row, xp, b), pair_scale(ds, b), a0);
+        a1 = _mm512_fmadd_ps(q4_pair_dot(row, xp, b + 2), pair_scale(ds, b + 2), a1);
+    }
+    for (; b + 1 < blocks; b += 2)
+        a0 = _mm512_fmadd_ps(q4_pair_dot(row, xp, b), pair_scale(ds, b), a0);
+    if (b < blocks)  /* an odd last block: its codes in natural order, as block_dot takes them */
+        a1 = _mm512_fmadd_ps(block_dot(q4_codes(row + b * 16), xr->q + b * 32),
+                             _mm512_set1_ps(ds[b]), a1);
+    return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + _mm512_reduce_add_ps(msum);
+}
+
+static int q4_matmul_one_token(const uint8_t *codes, const float *scale, const float *min,
+                               const act_rows *xr, float *out, long out_features,
+                               long in_features, int num_threads) {
+    const long blocks = in_features / 32;
+    int16_t *xp = aligned_alloc(64, (size_t)(in_features * 2 + 64) / 64 * 64);
+    if (xp == NULL) return -1;
+    pair_order(xr->q, blocks, xp);
+#pragma omp parallel num_threads(num_threads) if (out_features >= 64)
+    {
+        float ds[blocks + 16];  /* this thread's d * dx of a row's blocks */
+#pragma omp for schedule(static)
+        for (long n = 0; n < out_features; n++)
+            out[n] = q4_one_token_row(codes + n * (in_features / 2), scale + n * blocks,
+                                      min + n * blocks, xr, xp, blocks, ds);
+    }
+    free(xp);
+    return 0;
+}
+
 int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes, const float *scale,
                       const float *min, float *out, long out_stride, long tokens,
                       long out_features, long in_features, int num_threads) {
@@ -135,6 +214,13 @@ int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes, const
     if (tokens < 1 || tokens > MAX_TOKENS ||
         quantize_rows(x, x_stride, tokens, in_features, &xr) != 0)
         return -1;
+    if (tokens == 1) {
+        const int status = q4_matmul_one_token(codes, scale, min, &xr, out, out_features,
+                                               in_features, num_threads);
+        free(xr.q);
+        free(xr.d);
+        return status;
+    }
 #define Q4_CODES(b) q4_codes(row + (b) * 16)
 #define MIN_TERM(sum, b) (m[b] * (sum))
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (out_features >= 64)
