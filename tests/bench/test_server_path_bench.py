@@ -54,5 +54,5 @@ def test_each_instance_is_a_fresh_pair_of_processes_and_the_summary_spans_them(
 def test_a_failed_offline_worker_is_reported_not_waited_on(tmp_path: Path) -> None:
     from benchmarks.server_path_offline import OfflineSide
 
-    with pytest.raises(RuntimeError, match="offline worker .* ended"):
+    with pytest.raises(RuntimeError, match=r"offline worker .* ended"):
         OfflineSide(tmp_path / "no-such-model", 1, 4, "float32", instance=0)
