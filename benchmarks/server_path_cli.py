@@ -47,6 +47,7 @@ from benchmarks.server_path_offline import (
     MAX_MODEL_LEN,
     WARMUP_PROMPT,
     OfflineSide,
+    quantization,
     worker_main,
 )
 from benchmarks.server_path_readings import Reading, Sample, make_sample, proc_reading
@@ -56,7 +57,9 @@ from benchmarks.sse_reader import stream_completion
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("server-path",
                        help="offline ITL against server ITL at concurrency 1 (wall and CPU)")
-    p.add_argument("--model", required=True, help="checkpoint dir (tiny / 100m: bench models)")
+    p.add_argument("--model", required=True,
+                   help="checkpoint dir (tiny / 100m: bench models), or a .gguf file (both sides "
+                        "then keep its blocks packed: --quantization gguf)")
     p.add_argument("--side", choices=["offline", "server", "both"], default="both")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per repeat")
     p.add_argument("--input-len", type=int, default=256)
@@ -166,7 +169,8 @@ class ServerSide:
 def run(args: argparse.Namespace) -> int:
     from kvserve.bench.engine_workloads import ensure_bench_model
 
-    model_dir = ensure_bench_model(args.model)
+    model_dir = (Path(args.model) if args.model.endswith(".gguf")
+                 else ensure_bench_model(args.model))
     if args.offline_worker:
         return worker_main(model_dir, args.threads, args.output_len, args.dtype)
     if args.instances < 1 or args.repeats < 1:
@@ -197,7 +201,8 @@ def _run_instance(args: argparse.Namespace, model_dir: Path, tmp: Path, instance
             log_dir = tmp / f"instance-{instance}"
             log_dir.mkdir()
             sides.append(ServerSide(model_dir, args.threads, args.output_len, log_dir,
-                                    ["--dtype", args.dtype, *args.serve_arg], args.client,
+                                    ["--dtype", args.dtype, *_quantization_args(model_dir),
+                                     *args.serve_arg], args.client,
                                     instance))
         for r in range(args.repeats):  # interleaved: both see the same moments' load
             repeat = instance * args.repeats + r
@@ -209,6 +214,11 @@ def _run_instance(args: argparse.Namespace, model_dir: Path, tmp: Path, instance
         for side in sides:
             side.close()
     return samples
+
+
+def _quantization_args(model: Path) -> list[str]:
+    mode = quantization(model)
+    return [] if mode is None else ["--quantization", mode]
 
 
 def _summarize(args: argparse.Namespace, samples: Sequence[Sample]) -> None:

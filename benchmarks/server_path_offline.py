@@ -26,6 +26,11 @@ MAX_MODEL_LEN = 4096
 WARMUP_PROMPT = "a warm-up prompt " * 8
 
 
+def quantization(model: Path) -> str | None:
+    """A GGUF file runs with its blocks kept packed (`--quantization gguf`), as users serve it."""
+    return "gguf" if model.suffix == ".gguf" else None
+
+
 class OfflineEngine:
     """The offline engine in this process: each prompt through LLMEngine.step() alone."""
 
@@ -35,7 +40,7 @@ class OfflineEngine:
 
         self.engine = LLMEngine.from_args(EngineArgs(
             model=str(model_dir), num_threads=threads, kv_cache_memory_bytes=KV_CACHE_BYTES,
-            max_model_len=MAX_MODEL_LEN, dtype=dtype))
+            max_model_len=MAX_MODEL_LEN, dtype=dtype, quantization=quantization(model_dir)))
         self.params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         self._one("warmup", WARMUP_PROMPT)
 
