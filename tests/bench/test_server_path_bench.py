@@ -15,35 +15,23 @@ TINY = demo_model_config() | {"hidden_size": 64, "intermediate_size": 128,
                               "num_key_value_heads": 2}
 
 
-def test_both_sides_report_every_repeat_with_the_decoded_tokens(
+def test_each_instance_is_a_fresh_pair_of_processes_reporting_every_repeat(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model_dir = write_random_checkpoint(tmp_path / "tiny", TINY, seed=5)
     code = main(["server-path", "--model", str(model_dir), "--num-prompts", "2",
-                 "--input-len", "16", "--output-len", "5", "--repeats", "2", "--threads", "1"])
-    assert code == 0
-    out = capsys.readouterr().out
-    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    assert "server / offline ITL, per interleaved repeat: median" in out and "2 pairs" in out
-    assert [(r["side"], r["repeat"]) for r in rows] == [
-        ("offline", 0), ("server", 0), ("offline", 1), ("server", 1)]
-    for row in rows:
-        assert row["tokens"] == 2 * 4  # two prompts, the gaps after each first token
-        assert row["itl_ms"] > 0 and row["cpu_ms_per_token"] >= 0
-        assert (row["client_cpu_ms_per_token"] is None) == (row["side"] == "offline")
-        assert row["instance"] == 0
-
-
-def test_each_instance_is_a_fresh_pair_of_processes_and_the_summary_spans_them(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    model_dir = write_random_checkpoint(tmp_path / "tiny", TINY, seed=5)
-    code = main(["server-path", "--model", str(model_dir), "--num-prompts", "1",
-                 "--input-len", "16", "--output-len", "4", "--repeats", "1", "--threads", "1",
+                 "--input-len", "16", "--output-len", "5", "--repeats", "2", "--threads", "1",
                  "--instances", "2"])
     assert code == 0
     out = capsys.readouterr().out
     rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert "server / offline ITL, per interleaved repeat: median" in out and "4 pairs" in out
     assert [(r["side"], r["instance"], r["repeat"]) for r in rows] == [
-        ("offline", 0, 0), ("server", 0, 0), ("offline", 1, 1), ("server", 1, 1)]
+        ("offline", 0, 0), ("server", 0, 0), ("offline", 0, 1), ("server", 0, 1),
+        ("offline", 1, 2), ("server", 1, 2), ("offline", 1, 3), ("server", 1, 3)]
+    for row in rows:
+        assert row["tokens"] == 2 * 4  # two prompts, the gaps after each first token
+        assert row["itl_ms"] > 0 and row["cpu_ms_per_token"] >= 0
+        assert (row["client_cpu_ms_per_token"] is None) == (row["side"] == "offline")
     medians = {line.split()[0]: line.split(":", 1)[1].split()
                for line in out.splitlines() if "median of each instance" in line}
     assert {side: len(values) for side, values in medians.items()} == {"offline": 2,
