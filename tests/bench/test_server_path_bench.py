@@ -30,7 +30,9 @@ def test_each_instance_is_a_fresh_pair_of_processes_reporting_every_repeat(
         ("offline", 1, 2), ("server", 1, 2), ("offline", 1, 3), ("server", 1, 3)]
     for row in rows:
         assert row["tokens"] == 2 * 4  # two prompts, the gaps after each first token
-        assert row["itl_ms"] > 0 and row["cpu_ms_per_token"] >= 0
+        # a loaded client may read a tiny model's whole stream in one recv: a served ITL of 0
+        assert row["itl_ms"] > 0 if row["side"] == "offline" else row["itl_ms"] >= 0
+        assert row["cpu_ms_per_token"] >= 0
         assert (row["client_cpu_ms_per_token"] is None) == (row["side"] == "offline")
     medians = {line.split()[0]: line.split(":", 1)[1].split()
                for line in out.splitlines() if "median of each instance" in line}
