@@ -214,24 +214,23 @@ int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes, const
     if (tokens < 1 || tokens > MAX_TOKENS ||
         quantize_rows(x, x_stride, tokens, in_features, &xr) != 0)
         return -1;
+    int status = 0;
     if (tokens == 1) {
-        const int status = q4_matmul_one_token(codes, scale, min, &xr, out, out_features,
-                                               in_features, num_threads);
-        free(xr.q);
-        free(xr.d);
-        return status;
-    }
+        status = q4_matmul_one_token(codes, scale, min, &xr, out, out_features, in_features,
+                                     num_threads);
+    } else {
 #define Q4_CODES(b) q4_codes(row + (b) * 16)
 #define MIN_TERM(sum, b) (m[b] * (sum))
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (out_features >= 64)
-    for (long n = 0; n < out_features; n++) {
-        const uint8_t *row = codes + n * (in_features / 2);
-        const float *d = scale + n * blocks, *m = min + n * blocks;
-        ROW(Q4_CODES, MIN_TERM);
+        for (long n = 0; n < out_features; n++) {
+            const uint8_t *row = codes + n * (in_features / 2);
+            const float *d = scale + n * blocks, *m = min + n * blocks;
+            ROW(Q4_CODES, MIN_TERM);
+        }
     }
     free(xr.q);
     free(xr.d);
-    return 0;
+    return status;
 }
 
 int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes, const float *scale,
