@@ -1,5 +1,5 @@
-"""`python -m benchmarks precision`: the numerics of kvserve's bf16 and packed-weight modes on a
-real model's chat prompts, against float32.
+"""`python -m benchmarks precision`: the numerics of kvserve's bf16, packed-weight and w8a8 (bf16
+with int8 x int8 projections) modes on a real model's chat prompts, against float32.
 
 For each mode: the logit error (the mode's logits against float32's on the same tokens: each
 chat prompt followed by float32's greedy continuation, every continuation position compared),
@@ -28,7 +28,7 @@ CHATS = (
     "Summarize the plot of Romeo and Juliet in one paragraph.",
     "Write a Python function that reverses a string.",
 )
-MODES = ("bfloat16", "q4_0", "q4_1", "q8_0")
+MODES = ("bfloat16", "q4_0", "q4_1", "q8_0", "w8a8")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,8 +44,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _engine_args(model: str, mode: str, threads: int) -> Any:
     from kvserve.runtime import EngineArgs
 
-    quantized = mode.startswith("q")
-    return EngineArgs(model=model, dtype="float32" if quantized else mode,
+    quantized = mode.startswith("q") or mode == "w8a8"
+    dtype = "bfloat16" if mode in ("bfloat16", "w8a8") else "float32"  # w8a8: bf16 between
+    return EngineArgs(model=model, dtype=dtype,
                       quantization=mode if quantized else None, num_threads=threads,
                       kv_cache_memory_bytes=64 << 20)
 

@@ -36,6 +36,7 @@ def test_measure_reports_positive_finite_limits_for_every_kernel() -> None:
     assert limits.gemm_limit("float32", large=True) == limits.gemm_gflops["float32"]["M=512"]
     assert limits.gemm_limit("q4_1", large=False) == max(
         limits.gemm_gflops["float32"]["M=1"], limits.gemm_gflops["float32"]["M=16"])
+    assert limits.gemm_limit("int8", large=True) == limits.gemm_gflops["int8"]["M=512"]
 
 
 @pytest.mark.parametrize("has_onednn_bf16", [True, False])
@@ -62,6 +63,7 @@ def test_bytes_per_token_follow_the_weight_formats() -> None:
     q4, q8 = (weight_bytes_per_token(SMOLLM2, m) for m in ("q4_1", "q8_0"))
     assert fp32 == 2 * bf16 == 4 * (layers + head)
     assert q4 == layers * 20 / 32 + head * BYTES_PER_WEIGHT["q8_0"] < q8 < bf16
+    assert weight_bytes_per_token(SMOLLM2, "w8a8") == layers + 2 * head  # int8; bf16 lm_head
 
 
 def test_shares_of_the_limits_are_consistent() -> None:

@@ -44,7 +44,7 @@ def test_every_valid_entry_parses(entry: str, name: str, mode: str | None, label
 
 @pytest.mark.parametrize(("value", "message"), [
     ("sglang", "--launch sglang: unknown server 'sglang': choose from "
-               "kvserve[:float32|bfloat16|q8_0|q4_1|gguf]; vllm[:float32|bfloat16]; "
+               "kvserve[:float32|bfloat16|q8_0|q4_1|gguf|w8a8]; vllm[:float32|bfloat16]; "
                "llamacpp (no mode)"),
     ("kvserve:int4", "unknown mode 'int4' for kvserve: choose from "
                      "float32|bfloat16|q8_0|q4_1|gguf"),
@@ -87,6 +87,7 @@ def flag_values(cmd: list[str], flag: str) -> list[str]:
     ("kvserve:bfloat16", "kvserve.cli", ["bfloat16"], []),
     ("kvserve:q8_0", "kvserve.cli", ["float32"], ["q8_0"]),
     ("kvserve:q4_1", "kvserve.cli", ["float32"], ["q4_1"]),
+    ("kvserve:w8a8", "kvserve.cli", ["bfloat16"], ["w8a8"]),
     ("vllm", "vllm.entrypoints.openai.api_server", ["float32"], []),
     ("vllm:bfloat16", "vllm.entrypoints.openai.api_server", ["bfloat16"], []),
 ])
@@ -107,6 +108,7 @@ def test_each_mode_sets_one_dtype_and_its_quantization(
     ("kvserve:q8_0", "model", "float32", "q8_0"),
     ("kvserve:q4_1", "model", "float32", "q4_1"),
     ("kvserve:gguf", "m.gguf", "float32", "gguf"),
+    ("kvserve:w8a8", "model", "bfloat16", "w8a8"),
 ])
 def test_kvserve_reads_each_command_line_as_meant(spec: LaunchSpec, entry: str, model: str,
                                                   dtype: str, quantization: str | None) -> None:

@@ -217,5 +217,5 @@ def test_the_avx2_set_matches_pytorch_in_its_own_process():
 def test_families_are_the_sets_own():
     assert set(cpu_kernels.families()) == {
         "avx512": {"attention", "paged_decode", "pointwise", "quant", "bf16_matmul",
-                   "decode_step"},
+                   "int8_matmul", "decode_step"},
         "avx2": {"paged_decode", "pointwise", "quant"}}[cpu_kernels.kernel_set() or ""]

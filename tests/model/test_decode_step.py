@@ -1,6 +1,6 @@
 """The fused decode step (csrc/decode_step.c) against the per-op path it replaces: the same
-kernels in the same order, so logits and every written K/V equal bit for bit, for bf16 models
-and for float32 models over packed GGUF blocks."""
+kernels in the same order, so logits and every written K/V equal bit for bit, for bf16 models,
+for float32 models over packed GGUF blocks, and for int8 projections."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from kvserve.model import LlamaForCausalLM, cpu_kernels
 from kvserve.model.bf16_linear import kernel_serves_bf16
 from kvserve.model.config import ModelConfig
 from kvserve.model.decode_step import FusedDecode
+from kvserve.model.int8_linear import int8_kernel_serves
 from kvserve.model.quant_linear import KERNEL_MAX_TOKENS
 from kvserve.model.quantized_model import pack_quantized, quantize_weights
 
@@ -164,3 +165,29 @@ def test_packed_blocks_decline_what_the_block_kernels_do_not_take(fused_calls):
     runner.step(seqs)  # a prefill of one token each
     runner.step([(name, [9]) for name, _ in seqs])
     assert fused_calls == [False, False]
+
+
+needs_int8_kernel = pytest.mark.skipif(
+    not int8_kernel_serves() or not cpu_kernels.available("decode_step"),
+    reason="the fused decode step over int8 projections runs where kvserve's int8 kernel "
+           "serves (AVX512-VNNI)")
+
+
+@needs_int8_kernel
+@pytest.mark.parametrize(("dtype", "arch"), [(torch.bfloat16, "biases"),
+                                             (torch.float32, "plain")])
+def test_int8_projections_equal_the_per_op_path_bit_for_bit(dtype, arch, fused_calls):
+    torch.manual_seed(5)
+    overrides = {"attention_bias": True, "mlp_bias": True} if arch == "biases" else {}
+    config = ModelConfig.from_dict(base_config(**{**SHAPE, "intermediate_size": 192,
+                                                  **overrides}))
+    model = LlamaForCausalLM(config, dtype=dtype)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.5 if param.dim() > 1 else 1.0)
+    model.fuse_projections()
+    model.pack_int8()
+    assert model.model.fused_decode is not None
+    got = run_steps(model.eval(), fused=True)
+    assert fused_calls.count(True) == 14 and fused_calls.count(False) == 2, fused_calls
+    assert_same(got, run_steps(model, fused=False))

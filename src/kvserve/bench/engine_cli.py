@@ -65,7 +65,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--workload", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--precision", nargs="+", default=["float32"], choices=PRECISIONS,
                    help="kvserve's modes, each a system (q*: projections kept in that GGUF "
-                   "type, lm_head q8_0); the first is the reference the others' parity is to")
+                   "type, lm_head q8_0; w8a8: bf16 with int8 x int8 projections); the first "
+                   "is the reference the others' parity is to")
     p.add_argument("--machine-limits", action=argparse.BooleanOptionalAction, default=True,
                    help="measure the GEMM rates and memory bandwidth first (kvserve bench "
                    "machine) and report kvserve's figures as shares of them (default on)")

@@ -24,7 +24,7 @@ KVSERVE = "kvserve"
 HF = "hf"
 VLLM = "vllm"
 LLAMACPP = "llamacpp"
-PRECISIONS = ("float32", "bfloat16", "q4_0", "q4_1", "q8_0")  # kvserve's modes (--precision)
+PRECISIONS = ("float32", "bfloat16", "q4_0", "q4_1", "q8_0", "w8a8")  # kvserve's --precision
 
 
 def kvserve_system(precision: str) -> str:
@@ -91,8 +91,9 @@ class KVServeRunner:
         from kvserve.runtime import EngineArgs, LLMEngine
 
         quantized = precision in PRECISIONS[2:]
+        dtype = "bfloat16" if precision == "w8a8" else "float32" if quantized else precision
         self.system = system
-        self.args = EngineArgs(model=model_dir, dtype="float32" if quantized else precision,
+        self.args = EngineArgs(model=model_dir, dtype=dtype,
                                quantization=precision if quantized else None,
                                enable_prefix_caching=True,
                                kv_cache_memory_bytes=kv_cache_bytes, num_threads=num_threads,

@@ -1,10 +1,10 @@
 """Which server a benchmark launches, and in which precision mode: `NAME[:MODE]`.
 
 kvserve's modes: float32 (its default), bfloat16, q8_0 and q4_1 (the float32 checkpoint's
-projections packed into GGUF blocks at load) and gguf (it serves the `--gguf` file itself,
-keeping the file's own blocks). vLLM's: float32 (its default) and bfloat16. llama.cpp's server
-has none: it always runs the GGUF file's own weights. `precision_args` is the one place that
-turns a mode into command-line flags.
+projections packed into GGUF blocks at load), gguf (it serves the `--gguf` file itself,
+keeping the file's own blocks) and w8a8 (bf16 with int8 x int8 projections). vLLM's: float32
+(its default) and bfloat16. llama.cpp's server has none: it always runs the GGUF file's own
+weights. `precision_args` is the one place that turns a mode into command-line flags.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ LLAMACPP = "llamacpp"
 SERVERS = (KVSERVE, VLLM, LLAMACPP)
 
 FLOAT32, BFLOAT16, Q8_0, Q4_1, GGUF = "float32", "bfloat16", "q8_0", "q4_1", "gguf"
+W8A8 = "w8a8"
 # Each server's modes, its default first (llama.cpp: none, the GGUF file decides).
-MODES: dict[str, tuple[str, ...]] = {KVSERVE: (FLOAT32, BFLOAT16, Q8_0, Q4_1, GGUF),
+MODES: dict[str, tuple[str, ...]] = {KVSERVE: (FLOAT32, BFLOAT16, Q8_0, Q4_1, GGUF, W8A8),
                                      VLLM: (FLOAT32, BFLOAT16), LLAMACPP: ()}
 
 
@@ -97,4 +98,6 @@ def precision_args(target: LaunchTarget) -> list[str]:
         return ["--dtype", BFLOAT16]
     if mode == FLOAT32:
         return ["--dtype", FLOAT32]
+    if mode == W8A8:
+        return ["--dtype", BFLOAT16, "--quantization", W8A8]
     return ["--dtype", FLOAT32, "--quantization", mode]  # q8_0, q4_1, gguf: packed blocks

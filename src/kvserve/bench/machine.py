@@ -29,7 +29,7 @@ KERNELS = {"float32": "oneDNN linear (prepacked fp32)",
            "bfloat16": "oneDNN linear (prepacked bf16, fp32 accumulation)",
            "int8": "torch._int_mm (int8 x int8 -> int32, oneDNN's s8s8s32 gemm)"}
 BYTES_PER_WEIGHT = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "q4_0": 18 / 32,
-                    "q4_1": 20 / 32, "q8_0": 34 / 32}
+                    "q4_1": 20 / 32, "q8_0": 34 / 32, "w8a8": 1.0}
 
 
 @dataclass(slots=True)
@@ -47,9 +47,10 @@ class MachineLimits:
         return asdict(self)
 
     def gemm_limit(self, dtype: str, large: bool) -> float:
-        """The GEMM rate that bounds a mode computing in `dtype` (quantized modes compute in
-        float32): the prefill-sized M when `large`, else the decode-sized ones' best."""
-        rates = self.gemm_gflops["bfloat16" if dtype == "bfloat16" else "float32"]
+        """The GEMM rate that bounds a mode computing in `dtype` (GGUF block modes compute in
+        float32, w8a8 in int8): the prefill-sized M when `large`, else the decode-sized ones'
+        best."""
+        rates = self.gemm_gflops[dtype if dtype in ("bfloat16", "int8") else "float32"]
         values = list(rates.values())
         return values[-1] if large else max(values[:-1])
 
@@ -150,9 +151,12 @@ def matmul_params(config: dict[str, Any]) -> tuple[int, int]:
 
 
 def weight_bytes_per_token(config: dict[str, Any], mode: str) -> float:
-    """Bytes of projection and lm_head weights one decode step reads in `mode` (a dtype, or a
-    quantization whose lm_head is q8_0); a step serves every running sequence at once."""
+    """Bytes of projection and lm_head weights one decode step reads in `mode` (a dtype, a
+    quantization whose lm_head is q8_0, or w8a8, whose lm_head is bf16); a step serves every
+    running sequence at once."""
     layers, head = matmul_params(config)
+    if mode == "w8a8":
+        return layers * BYTES_PER_WEIGHT[mode] + head * BYTES_PER_WEIGHT["bfloat16"]
     if mode in ("q4_0", "q4_1", "q8_0"):
         return layers * BYTES_PER_WEIGHT[mode] + head * BYTES_PER_WEIGHT["q8_0"]
     return (layers + head) * BYTES_PER_WEIGHT[mode]
@@ -168,7 +172,7 @@ def fraction_of_limit(config: dict[str, Any], mode: str, limits: MachineLimits,
     steps_per_s = tokens_per_s / max(1, concurrency)
     bytes_per_s = steps_per_s * weight_bytes_per_token(config, mode)
     flops = 2 * (layers * total_tokens_per_s + head * tokens_per_s)
-    gemm = limits.gemm_limit("bfloat16" if mode == "bfloat16" else "float32",
+    gemm = limits.gemm_limit({"bfloat16": "bfloat16", "w8a8": "int8"}.get(mode, "float32"),
                              large=concurrency > 16)
     return {"weight_gb_s": bytes_per_s / 1e9,
             "of_read_bandwidth": bytes_per_s / 1e9 / limits.read_gb_s,

@@ -43,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help=f"servers to launch one after another, each NAME[:MODE]: {CHOICES}. "
                         "Modes: float32 (the default), bfloat16, q8_0/q4_1 (the float32 "
                         "weights packed at load), gguf (kvserve serves the --gguf file's own "
-                        "blocks); a name may repeat with other modes")
+                        "blocks), w8a8 (kvserve: bf16 with int8 x int8 projections); a name may "
+                        "repeat with other modes")
     p.add_argument("--model", default="tiny",
                    help="tiny, 100m (random weights, cached) or a checkpoint dir: the model "
                         "launched, and the tokenizer prompts are built with")

@@ -61,11 +61,12 @@ FAMILIES: dict[str, dict[str, tuple[Any, ...]]] = {  # family: kernel: its param
               "kvserve_q4_dequantize": (_P, _P, _P, _P, _L, _L, _I),
               "kvserve_q8_dequantize": (_P, _P, _P, _L, _L, _I)},
     "bf16_matmul": {"kvserve_bf16_matmul": (_P, _L, _L, _P, _L, _L, _P, _P, _L, _I, _I)},
+    "int8_matmul": {"kvserve_i8_matmul": (_P, _L, _I, _L, _P, _P, _L, _L, _P, _P, _L, _I, _I)},
     "decode_step": {"kvserve_decode_step": (_P,)},  # struct decode_step_args *
 }
 _KERNEL_SETS = {  # ISA: (source folder under csrc/, the families its sources export)
     "avx512": ("", ("attention", "paged_decode", "pointwise", "quant", "bf16_matmul",
-                       "decode_step")),
+                       "int8_matmul", "decode_step")),
     "avx2": ("avx2", ("paged_decode", "pointwise", "quant")),
 }
 _lock = threading.Lock()

@@ -1,7 +1,8 @@
 """The fused decode step (csrc/decode_step.c): every decoder layer of a step whose sequences all
-decode, in one kernel call, for bf16 models whose projections run on kvserve's bf16 matmul and
-for float32 models whose projections are GGUF blocks kept packed (quant_linear's
-BlockKernelLinear: Q4_1, Q8_0).
+decode, in one kernel call, for bf16 models whose projections run on kvserve's bf16 matmul, for
+float32 models whose projections are GGUF blocks kept packed (quant_linear's
+BlockKernelLinear: Q4_1, Q8_0), and for either whose projections are int8 x int8 on kvserve's
+VNNI kernel (int8_linear's Int8Linear).
 
 At one to a few tokens a step, the per-op path's Python and ATen dispatch (about ten calls a
 layer) costs as much as its matmuls read weights in (docs/benchmarks.md has the profile). The
@@ -27,6 +28,7 @@ from kvserve.model import cpu_kernels
 from kvserve.model.attention_metadata import AttentionMetadata
 from kvserve.model.bf16_linear import Bf16Linear, kernel_serves_bf16
 from kvserve.model.cpu_attention import HEAD_DIMS, MAX_GROUP
+from kvserve.model.int8_linear import Int8Linear
 from kvserve.model.paged_attention import KVCache
 from kvserve.model.quant_linear import KERNEL_MAX_TOKENS, BlockKernelLinear
 
@@ -38,7 +40,7 @@ __all__ = ["FusedDecode"]
 _P = ctypes.c_void_p
 
 
-_PROJ_BF16, _PROJ_Q4, _PROJ_Q8 = 0, 1, 2  # decode_step.c's projection kinds
+_PROJ_BF16, _PROJ_Q4, _PROJ_Q8, _PROJ_I8 = 0, 1, 2, 3  # decode_step.c's projection kinds
 
 
 class _Proj(ctypes.Structure):
@@ -80,6 +82,9 @@ def _proj(op: object) -> _Proj:
     """A projection as decode_step.c reads it (`_serves` has checked its kind)."""
     if isinstance(op, Bf16Linear):
         return _Proj(op.packed.data_ptr(), None, None, _ptr(op.bias), _PROJ_BF16)
+    if isinstance(op, Int8Linear):
+        assert op.packed is not None
+        return _Proj(op.packed.data_ptr(), op.scales.data_ptr(), None, _ptr(op.bias), _PROJ_I8)
     assert isinstance(op, BlockKernelLinear)
     if op.is_q8:
         return _Proj(op.codes.data_ptr(), op.scale.data_ptr(), None, _ptr(op.bias), _PROJ_Q8)
@@ -89,7 +94,10 @@ def _proj(op: object) -> _Proj:
 
 def _serves(op: object, dtype: torch.dtype) -> bool:
     """Whether the kernel runs this projection for a model of `dtype`: kvserve's bf16 matmul
-    for bf16 models (on AVX512-BF16), GGUF blocks through quant_matmul.c for float32 ones."""
+    for bf16 models (on AVX512-BF16), GGUF blocks through quant_matmul.c for float32 ones, and
+    the int8 kernel (on AVX512-VNNI) for either."""
+    if isinstance(op, Int8Linear):
+        return op.packed is not None and dtype in (torch.bfloat16, torch.float32)
     if dtype == torch.bfloat16:
         return isinstance(op, Bf16Linear) and op.in_features % 2 == 0 and kernel_serves_bf16()
     return dtype == torch.float32 and isinstance(op, BlockKernelLinear)
@@ -110,7 +118,7 @@ class FusedDecode:
         self.dtype = model.norm.weight.dtype
         self._bf16 = int(self.dtype == torch.bfloat16)  # decode_step_args.bf16
         down = model.layers[0].mlp.packed_down
-        assert isinstance(down, Bf16Linear | BlockKernelLinear)
+        assert isinstance(down, Bf16Linear | BlockKernelLinear | Int8Linear)
         self.intermediate_size = down.in_features
         self.eps = model.norm.eps
         self.scale = 1.0 / math.sqrt(self.head_dim)
@@ -146,7 +154,7 @@ class FusedDecode:
                     or any(w.dtype != hidden.dtype or not w.is_contiguous() for w in norms)):
                 return None
         down = model.layers[0].mlp.packed_down
-        assert isinstance(down, Bf16Linear | BlockKernelLinear)  # every op passed _serves
+        assert isinstance(down, Bf16Linear | BlockKernelLinear | Int8Linear)  # passed _serves
         if down.in_features % 16:
             return None
         return cls(model)

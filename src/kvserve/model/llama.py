@@ -19,6 +19,7 @@ from kvserve.model.attention_metadata import AttentionMetadata
 from kvserve.model.bf16_linear import pack_dense
 from kvserve.model.config import ModelConfig
 from kvserve.model.decode_step import FusedDecode
+from kvserve.model.int8_linear import Int8Linear
 from kvserve.model.layers import (
     FactoryKwargs,
     GatedMLP,
@@ -208,6 +209,21 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.model.layers:
             layer.self_attn.pack()
             layer.mlp.pack()
+        self.packed_lm_head = pack_dense(self.lm_head.weight, None)
+        if not self.config.tie_word_embeddings:
+            drop_dense(self.lm_head)
+        self.model.fused_decode = FusedDecode.build(self.model)
+
+    def pack_int8(self) -> None:
+        """`--quantization w8a8`: every projection int8 x int8 (`Int8Linear`), the lm_head
+        packed as `pack_for_onednn` packs it (the logits keep the model's dtype). CPU only;
+        call once, after `fuse_projections`; inference only from here on."""
+        for layer in self.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            assert attn.qkv is not None and mlp.gate_up is not None, "fuse before packing"
+            attn.pack(Int8Linear(*attn.qkv), Int8Linear(attn.o_proj.weight, attn.o_proj.bias))
+            mlp.pack(Int8Linear(*mlp.gate_up),
+                     Int8Linear(mlp.down_proj.weight, mlp.down_proj.bias))
         self.packed_lm_head = pack_dense(self.lm_head.weight, None)
         if not self.config.tie_word_embeddings:
             drop_dense(self.lm_head)

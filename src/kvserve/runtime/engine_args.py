@@ -40,7 +40,9 @@ class EngineArgs:
     `quantization`: on CPU, run the projections and lm_head from weights kept in GGUF blocks
     (model/quant_linear; decode reads 4-8x fewer bytes): "gguf" keeps a .gguf model's own
     blocks (Q4_0/Q4_1/Q8_0 packed, other types dequantized); "q4_0", "q4_1", "q8_0" quantize
-    a dense checkpoint's projections at load (the lm_head to q8_0); None: dense weights.
+    a dense checkpoint's projections at load (the lm_head to q8_0); "w8a8" runs a dense
+    checkpoint's projections int8 x int8 (model/int8_linear: int8 weights per channel,
+    activations per block of 32; the lm_head in the model's dtype); None: dense weights.
     `cpu_kernels`: on CPU, run attention, the fused position-wise ops and packed matmuls
     through kvserve's own kernels (model/cpu_kernels; float32; all of them on AVX-512, all but
     prefill attention on AVX2; built with the system's C compiler on first use, else PyTorch's ops);
@@ -136,9 +138,9 @@ class EngineArgs:
                              f"{self.collective_timeout_s}")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.quantization not in (None, "gguf", "q4_0", "q4_1", "q8_0"):
-            raise ValueError(f"quantization must be gguf, q4_0, q4_1 or q8_0 (or None), got "
-                             f"{self.quantization!r}")
+        if self.quantization not in (None, "gguf", "q4_0", "q4_1", "q8_0", "w8a8"):
+            raise ValueError(f"quantization must be gguf, q4_0, q4_1, q8_0 or w8a8 (or None), "
+                             f"got {self.quantization!r}")
         if self.quantization and (self.device != "cpu" or self.tensor_parallel_size > 1):
             raise ValueError("quantization runs on CPU with one rank; drop it or use "
                              "device='cpu' and tensor_parallel_size=1")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -33,6 +34,10 @@ def load_rank_model(args: EngineArgs, shard: ShardSpec, device: str) -> tuple[Lo
         _LOG.warning("--dtype bfloat16: this CPU has no bf16 instructions (AVX512-BF16 or "
                      "AMX), where bf16 matmuls run slower than float32; running float32")
         dtype = torch.float32
+    if args.quantization == "w8a8" and is_gguf(Path(path)):
+        raise ValueError(f"quantization='w8a8' quantizes a dense checkpoint, but {path} is a "
+                         ".gguf file; pass a directory of safetensors, or quantization='gguf' "
+                         "to keep its blocks")
     loaded = load_model(path, device=device, dtype=dtype, shard=shard, revision=args.revision,
                         cache_dir=args.download_dir, hf_config_path=args.hf_config_path)
     weight_bytes = model_bytes(loaded.model)
@@ -46,6 +51,8 @@ def load_rank_model(args: EngineArgs, shard: ShardSpec, device: str) -> tuple[Lo
                              "not one; pass a gguf model (a .gguf file), or q4_0/q4_1/q8_0 "
                              "to quantize")
         pack_quantized(loaded.model, gguf_weights(loaded.path, loaded.config))
+    elif args.quantization == "w8a8":
+        loaded.model.pack_int8()
     elif args.quantization:
         pack_quantized(loaded.model, quantize_weights(loaded.model, args.quantization.upper()))
     elif args.onednn_linear and onednn_available(loaded.device, loaded.dtype):

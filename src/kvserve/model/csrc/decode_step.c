@@ -1,11 +1,12 @@
 /* A whole decode step's decoder layers in one call: kvserve's fused path on AVX-512 CPUs, for
- * bf16 models whose projections run on kvserve's bf16 matmul (AVX512-BF16) and for float32
- * models whose projections are GGUF blocks kept packed (Q4_1 / Q8_0 through quant_matmul.c).
+ * bf16 models whose projections run on kvserve's bf16 matmul (AVX512-BF16), for float32
+ * models whose projections are GGUF blocks kept packed (Q4_1 / Q8_0 through quant_matmul.c),
+ * and for either whose projections are int8 x int8 (int8_matmul.c, AVX512-VNNI).
  *
  * Contract (kvserve_decode_step): D decodes (one new token each, row t of every activation is
  * decode t's), a Llama-family layer stack without q/k norms, sliding windows or LoRA, its
- * activations and K/V caches all bf16 (`bf16` = 1, every projection PROJ_BF16) or all float32
- * (`bf16` = 0, every projection PROJ_Q4 or PROJ_Q8). hidden [D, hidden_size] holds the token
+ * activations and K/V caches all bf16 (`bf16` = 1, every projection PROJ_BF16 or PROJ_I8) or
+ * all float32 (`bf16` = 0, every projection PROJ_Q4, PROJ_Q8 or PROJ_I8). hidden [D, hidden_size] holds the token
  * embeddings on entry and is scratch after; out [D, hidden_size] receives the final norm of the
  * last layer's residual stream. Per layer, in order: input RMSNorm; the fused q/k/v
  * projection; rotary on q and k (cos/sin [D, head_dim] float32); K and V stored at slots[t] of
@@ -25,11 +26,12 @@
 #include "layer_ops.h"
 #include "vec_math.h"
 
-enum { PROJ_BF16 = 0, PROJ_Q4 = 1, PROJ_Q8 = 2 };
+enum { PROJ_BF16 = 0, PROJ_Q4 = 1, PROJ_Q8 = 2, PROJ_I8 = 3 };
 
-/* One projection's weights: `codes` packed for kvserve_bf16_matmul (PROJ_BF16), or a GGUF
- * block matrix's codes with its float32 scales (and mins, PROJ_Q4) as quant_matmul.c reads
- * them; bias float32 [n] or NULL. */
+/* One projection's weights: `codes` packed for kvserve_bf16_matmul (PROJ_BF16), or for
+ * kvserve_i8_matmul with its per-channel scales (PROJ_I8), or a GGUF block matrix's codes with
+ * its float32 scales (and mins, PROJ_Q4) as quant_matmul.c reads them; bias float32 [n] or
+ * NULL. */
 struct decode_proj {
     const void *codes;
     const float *scale, *min, *bias;
@@ -69,13 +71,17 @@ static void narrow(const float *src, uint16_t *dst, long n) {
         if (status != 0) goto done; \
     } while (0)
 
-/* y [m, n] = x [m, k] @ w.T (+ bias), in the activations' dtype (float32 for packed blocks). */
+/* y [m, n] = x [m, k] @ w.T (+ bias), in the activations' dtype (bf16 when bf, float32 for
+ * packed blocks). */
 static int project(const struct decode_proj *w, const void *x, long x_stride, long m, long n,
-                   long k, void *y, long y_stride, int th) {
+                   long k, void *y, long y_stride, int th, int bf) {
     int status;
     switch (w->kind) {
     case PROJ_BF16:
         return kvserve_bf16_matmul(x, x_stride, m, w->codes, n, k, w->bias, y, y_stride, 1, th);
+    case PROJ_I8:
+        return kvserve_i8_matmul(x, x_stride, bf, m, w->codes, w->scale, n, k, w->bias, y,
+                                 y_stride, bf, th);
     case PROJ_Q4:
         status = kvserve_q4_matmul(x, x_stride, w->codes, w->scale, w->min, y, y_stride, m, n,
                                    k, th);
@@ -117,7 +123,7 @@ int kvserve_decode_step(const struct decode_step_args *a) {
                            a->eps, th, bf));
     for (long l = 0; l < a->num_layers; l++) {
         const struct decode_layer *w = &a->layers[l];
-        CHECK(project(&w->qkv, normed, hid, d_n, qkv_n, hid, qkv, qkv_n, th));
+        CHECK(project(&w->qkv, normed, hid, d_n, qkv_n, hid, qkv, qkv_n, th, bf));
         CHECK(kvserve_rotary(qkv, qkv_n, a->head_dim, d_n, a->num_heads, a->head_dim, a->cos,
                              a->sin, th, bf));
         CHECK(kvserve_rotary(qkv + q_size * es, qkv_n, a->head_dim, d_n, a->num_kv_heads,
@@ -140,15 +146,16 @@ int kvserve_decode_step(const struct decode_step_args *a) {
             .head_dim = a->head_dim, .num_threads = th, .scale = a->scale, .kv_bf16 = bf};
         CHECK(kvserve_paged_decode(&dec));
         if (bf) narrow(att32, (uint16_t *)att, d_n * q_size);
-        CHECK(project(&w->o, att, q_size, d_n, hid, q_size, other, hid, th));
+        CHECK(project(&w->o, att, q_size, d_n, hid, q_size, other, hid, th, bf));
         /* other = res + attention output: the new residual; res is free for the MLP's output */
         CHECK(kvserve_rms_norm(res, hid, other, hid, w->post_norm, normed, hid, d_n, hid,
                                a->eps, th, bf));
         char *swap = res;
         res = other, other = swap;
-        CHECK(project(&w->gate_up, normed, hid, d_n, 2 * inter, hid, gate_up, 2 * inter, th));
+        CHECK(project(&w->gate_up, normed, hid, d_n, 2 * inter, hid, gate_up, 2 * inter, th,
+                      bf));
         CHECK(kvserve_silu_mul(gate_up, 2 * inter, act, inter, d_n, inter, th, bf));
-        CHECK(project(&w->down, act, inter, d_n, hid, inter, other, hid, th));
+        CHECK(project(&w->down, act, inter, d_n, hid, inter, other, hid, th, bf));
         const void *next = l + 1 < a->num_layers ? a->layers[l + 1].input_norm : a->final_norm;
         CHECK(kvserve_rms_norm(res, hid, other, hid, next, l + 1 < a->num_layers ? normed : a->out,
                                hid, d_n, hid, a->eps, th, bf));

@@ -20,6 +20,9 @@ int kvserve_rotary(void *x, long x_stride_t, long x_stride_h, long tokens, long 
 int kvserve_bf16_matmul(const uint16_t *x, long x_stride, long m, const uint16_t *packed,
                         long n, long k, const float *bias, void *y, long y_stride, int y_bf16,
                         int num_threads);
+int kvserve_i8_matmul(const void *x, long x_stride, int x_bf16, long m, const uint8_t *packed,
+                      const float *sw, long n, long k, const float *bias, void *y,
+                      long y_stride, int y_bf16, int num_threads);
 int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes, const float *scale,
                       const float *min, float *out, long out_stride, long tokens,
                       long out_features, long in_features, int num_threads);

@@ -32,7 +32,7 @@ REFUSED: tuple[tuple[tuple[str, ...], bool, str], ...] = (
     (("--root-path",), True, "kvserve serves at the root; strip the prefix in the proxy"),
 )
 
-QUANTIZATIONS = ("gguf", "q4_0", "q4_1", "q8_0")  # weights kept packed (model/quantized_model)
+QUANTIZATIONS = ("gguf", "q4_0", "q4_1", "q8_0", "w8a8")  # model/quantized_model, int8_linear
 
 # Flags honoured only at their single-device values: (names, allowed values, why not others).
 SINGLE_DEVICE = (
@@ -103,7 +103,8 @@ def add_engine_vllm_arguments(p: argparse.ArgumentParser) -> None:
                    reason=f"kvserve runs {', '.join(QUANTIZATIONS)} (CPU, one rank); leave it "
                           "out for the checkpoint's own dtype",
                    help="gguf: keep a .gguf file's Q4_0/Q4_1/Q8_0 blocks packed; q4_0, q4_1, "
-                        "q8_0: quantize a dense checkpoint's projections at load (CPU only)")
+                        "q8_0: quantize a dense checkpoint's projections at load; w8a8: int8 "
+                        "weights per channel x int8 activations per block of 32 (CPU only)")
 
 
 def add_server_vllm_arguments(p: argparse.ArgumentParser) -> None:
