@@ -18,6 +18,7 @@ from benchmarks import (
     grammar_cli,
     knobs_cli,
     lora_cli,
+    matmul_cli,
     precision_cli,
     preemption_cli,
     profile_cli,
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     preemption_cli.add_parser(commands)
     tp_cli.add_parser(commands)
     attention_cli.add_parser(commands)
+    matmul_cli.add_parser(commands)
     chaos_cli.add_parser(commands)
     router_cpu_cli.add_parser(commands)
     grammar_cli.add_parser(commands)

@@ -23,6 +23,7 @@ from kvserve.model.quant_linear import (
     DequantizedLinear,
     Int4Linear,
     int4_op_available,
+    kernels_take_many_rows,
     make_quantized_linear,
 )
 from kvserve.model.quantized_model import pack_quantized, quantize_weights
@@ -103,7 +104,8 @@ def test_every_path_computes_the_dequantized_matmul(ggml_type: str, path: str) -
         got = layer(x)
         assert got.shape == (tokens, 96) and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
-        if path == "c_kernel" and tokens <= KERNEL_MAX_TOKENS:  # its int16 numerics, exactly
+        if path == "c_kernel" and (tokens <= KERNEL_MAX_TOKENS or kernels_take_many_rows()):
+            # its int16 numerics, exactly
             assert isinstance(layer, BlockKernelLinear)
             exact = _int16_kernel_reference(layer, x) + bias.double()
             torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
@@ -124,6 +126,22 @@ def test_one_token_takes_every_block_whatever_their_count(ggml_type: str,
     gen = torch.Generator().manual_seed(4)
     for _ in range(3):
         x = torch.randn(1, in_features, generator=gen) * torch.rand(in_features, generator=gen)
+        torch.testing.assert_close(layer(x).double(), _int16_kernel_reference(layer, x),
+                                   rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_many_rows_keep_the_int16_numerics(ggml_type: str) -> None:
+    """From QGEMM_MIN_TOKENS (16) rows csrc/quant_gemm.c widens each group of 32 columns once
+    and runs every row against it: the last row count below it, row counts ending in partial
+    6-row tiles, a prefill past KERNEL_MAX_TOKENS, and a last group of 8 columns (72)."""
+    if not kernels_take_many_rows():
+        pytest.skip("the many-row block kernel is built for AVX512-VNNI CPUs")
+    layer = make_quantized_linear(_weight(ggml_type, 72, 576, seed=5), None)
+    assert isinstance(layer, BlockKernelLinear)
+    gen = torch.Generator().manual_seed(6)
+    for tokens in (15, 16, 23, KERNEL_MAX_TOKENS + 35):
+        x = torch.randn(tokens, 576, generator=gen) * torch.rand(576, generator=gen)
         torch.testing.assert_close(layer(x).double(), _int16_kernel_reference(layer, x),
                                    rtol=1e-5, atol=1e-5)
 

@@ -59,7 +59,8 @@ FAMILIES: dict[str, dict[str, tuple[Any, ...]]] = {  # family: kernel: its param
     "quant": {"kvserve_q4_matmul": (_P, _L, _P, _P, _P, _P, _L, _L, _L, _L, _I),
               "kvserve_q8_matmul": (_P, _L, _P, _P, _P, _L, _L, _L, _L, _I),
               "kvserve_q4_dequantize": (_P, _P, _P, _P, _L, _L, _I),
-              "kvserve_q8_dequantize": (_P, _P, _P, _L, _L, _I)},
+              "kvserve_q8_dequantize": (_P, _P, _P, _L, _L, _I),
+              "kvserve_quant_gemm_built": ()},
     "bf16_matmul": {"kvserve_bf16_matmul": (_P, _L, _L, _P, _L, _L, _P, _P, _L, _I, _I)},
     "int8_matmul": {"kvserve_i8_matmul": (_P, _L, _I, _L, _P, _P, _L, _L, _P, _P, _L, _I, _I)},
     "decode_step": {"kvserve_decode_step": (_P,)},  # struct decode_step_args *

@@ -7,10 +7,12 @@ time by what this machine has:
 1. kvserve's C kernels (csrc/quant_matmul.c for AVX-512, csrc/avx2/quant_matmul.c for AVX2):
    each block's dot product in integers: codes widened to int16 in registers, activations
    rounded to int16 per block of 32 (scale max|x| / 32767: 256 times finer than ggml's int8,
-   which moved greedy tokens on real chats), float32 scales and accumulation. Batches of more than
-   `KERNEL_MAX_TOKENS` rows (prefill) instead decode the whole weight to float32 for the call
-   and run a dense matmul, which reuses each decoded weight for every row (on SmolLM2's shapes
-   the two are equal at 128 rows and the kernels ahead below; docs/benchmarks.md).
+   which moved greedy tokens on real chats), float32 scales and accumulation. From 16 rows on
+   AVX512-VNNI CPUs (`kernels_take_many_rows`), csrc/quant_gemm.c widens each group of 32
+   columns once per call and runs every row against it with vpdpwssd: the same numerics,
+   1.6-2.3x the float32 path below at prefill sizes (docs/benchmarks.md). Elsewhere batches of
+   more than `KERNEL_MAX_TOKENS` rows (prefill) decode the whole weight to float32 for the call
+   and run a dense matmul, which reuses each decoded weight for every row.
 2. Where those kernels are off (no AVX2 or no C compiler): PyTorch's groupwise int4 CPU op
    (`_weight_int4pack_mm_for_cpu`, group 32), vectorised by ATen for the CPU it finds. Its
    w = (q - 8) * scale + zero holds Q4_0 as (d, 0) and Q4_1 as (d, m + 8d) exactly; Q8_0 is
@@ -24,6 +26,7 @@ time by what this machine has:
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -44,7 +47,17 @@ __all__ = [
 
 _LOG = logging.getLogger(__name__)
 KERNELS = ("auto", "torch_int4", "portable")
-KERNEL_MAX_TOKENS = 64  # rows per call the C kernels serve; more decode the weight whole
+KERNEL_MAX_TOKENS = 64  # rows per call every C kernel set serves; more decode the weight whole
+GEMM_MAX_TOKENS = 4096  # rows per call where the many-row kernel is built (MAX_TOKENS in C)
+
+
+@functools.cache
+def kernels_take_many_rows() -> bool:
+    """Whether the block kernels built here run calls of any row count up to GEMM_MAX_TOKENS
+    in the blocks (csrc/quant_gemm.c, on AVX512-VNNI): then prefill keeps the int16 numerics
+    instead of decoding the weight whole to float32."""
+    lib = cpu_kernels.library("quant")
+    return lib is not None and lib.kvserve_quant_gemm_built() == 1
 
 
 def int4_op_available() -> bool:
@@ -115,7 +128,8 @@ class BlockKernelLinear:
         tokens = x32.shape[0]
         if lib is None:
             return _out_dtype(F.linear(x32, self.dequantized(), self.bias), x)
-        if tokens > KERNEL_MAX_TOKENS:
+        if tokens > KERNEL_MAX_TOKENS and not (tokens <= GEMM_MAX_TOKENS
+                                               and kernels_take_many_rows()):
             return _out_dtype(F.linear(x32, self.decoded_by_kernel(lib), self.bias), x)
         out = torch.empty(tokens, self.out_features)  # [T, out]
         threads = torch.get_num_threads()

@@ -11,62 +11,19 @@
  *     x_j exact in float32. q8: codes [out, in] int8; w = scale * q (Q8_0).
  * scale, min: [out, in/32] float32. x rows and out rows have strides in elements; in_features
  * must be a multiple of 32 (the caller checks); 1 <= tokens <= MAX_TOKENS. Output rows are
- * split over num_threads OpenMP threads. Returns 0, or -1 when tokens is out of range or the
- * activation scratch could not be allocated. */
+ * split over num_threads OpenMP threads; from QGEMM_MIN_TOKENS rows, where built, the call
+ * runs quant_gemm.c (the same numerics, another summation order). Returns 0, or -1 when tokens
+ * is out of range or the activation or panel scratch could not be allocated. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "layer_ops.h"
+#include "quant_rows.h"
 
 #define TILE_T 4        /* tokens a loaded weight block serves at once */
 #define MAX_TOKENS 4096 /* a sanity bound on one call's rows */
-
-/* Each token's activations: int16 codes (32 a block), and per block the scale and exact sum. */
-typedef struct { int16_t *q; float *d; float *sum; } act_rows;
-
-static inline __m256i to_int16(__m512 v, __m512 inv) {  /* round to nearest even, saturate */
-    return _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(v, inv)));
-}
-
-static int quantize_rows(const float *x, long x_stride, long tokens, long in_features,
-                         act_rows *r) {
-    const long blocks = in_features / 32;
-    r->q = malloc(sizeof(int16_t) * (size_t)(tokens * in_features));
-    r->d = malloc(sizeof(float) * (size_t)(2 * tokens * blocks));
-    if (r->q == NULL || r->d == NULL) {
-        free(r->q);
-        free(r->d);
-        return -1;
-    }
-    r->sum = r->d + tokens * blocks;
-    for (long t = 0; t < tokens; t++) {
-        for (long b = 0; b < blocks; b++) {
-            const float *xb = x + t * x_stride + b * 32;
-            const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-            const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0),
-                                                               _mm512_abs_ps(v1)));
-            const __m512 inv = _mm512_set1_ps(m > 0.0f ? 32767.0f / m : 0.0f);
-            const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(to_int16(v0, inv)),
-                                                 to_int16(v1, inv), 1);
-            _mm512_storeu_si512(r->q + t * in_features + b * 32, q);
-            r->d[t * blocks + b] = m / 32767.0f;
-            r->sum[t * blocks + b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-        }
-    }
-    return 0;
-}
-
-/* Q4: weight j in the low nibble of byte j, weight j + 16 in its high nibble: 32 int16. */
-static inline __m512i q4_codes(const uint8_t *codes) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)codes), mask = _mm_set1_epi8(0x0F);
-    return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), mask),
-                                                 _mm_and_si128(q, mask)));
-}
-
-static inline __m512i q8_codes(const int8_t *codes) {
-    return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)codes));
-}
+#define QGEMM_MIN_TOKENS 16 /* rows from which quant_gemm.c's panels pay (docs/benchmarks.md) */
 
 /* sum_j w_j xq_j over one block (xq: the token's 32 int16 codes), as 16 float partial sums. */
 static inline __m512 block_dot(__m512i w, const int16_t *xq) {
@@ -215,7 +172,10 @@ int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes, const
         quantize_rows(x, x_stride, tokens, in_features, &xr) != 0)
         return -1;
     int status = 0;
-    if (tokens == 1) {
+    if (QGEMM_BUILT && tokens >= QGEMM_MIN_TOKENS) {
+        status = qgemm(&xr, codes, scale, min, out, out_stride, tokens, out_features,
+                       in_features, num_threads);
+    } else if (tokens == 1) {
         status = q4_matmul_one_token(codes, scale, min, &xr, out, out_features, in_features,
                                      num_threads);
     } else {
@@ -241,17 +201,23 @@ int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes, const 
     if (tokens < 1 || tokens > MAX_TOKENS ||
         quantize_rows(x, x_stride, tokens, in_features, &xr) != 0)
         return -1;
+    int status = 0;
+    if (QGEMM_BUILT && tokens >= QGEMM_MIN_TOKENS) {
+        status = qgemm(&xr, codes, scale, NULL, out, out_stride, tokens, out_features,
+                       in_features, num_threads);
+    } else {
 #define Q8_CODES(b) q8_codes(row + (b) * 32)
 #define NO_TERM(sum, b) 0.0f
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (out_features >= 64)
-    for (long n = 0; n < out_features; n++) {
-        const int8_t *row = codes + n * in_features;
-        const float *d = scale + n * blocks;
-        ROW(Q8_CODES, NO_TERM);
+        for (long n = 0; n < out_features; n++) {
+            const int8_t *row = codes + n * in_features;
+            const float *d = scale + n * blocks;
+            ROW(Q8_CODES, NO_TERM);
+        }
     }
     free(xr.q);
     free(xr.d);
-    return 0;
+    return status;
 }
 
 /* The weights in float32, out [rows, in_features] = scale * q + min (q4) or scale * q (q8),
@@ -294,3 +260,8 @@ int kvserve_q8_dequantize(const int8_t *codes, const float *scale, float *out, l
     }
     return 0;
 }
+
+/* 1 where calls of QGEMM_MIN_TOKENS rows or more run quant_gemm.c's panels (a build for
+ * AVX512-VNNI), so a prefill of up to MAX_TOKENS rows stays in the blocks; 0 where the caller
+ * should decode the weight whole for prefill. */
+int kvserve_quant_gemm_built(void) { return QGEMM_BUILT; }

@@ -226,3 +226,7 @@ int kvserve_q8_dequantize(const int8_t *codes, const float *scale, float *out, l
     }
     return 0;
 }
+
+/* 0: the AVX2 set has no many-row kernel (../quant_gemm.c), so the caller decodes the weight
+ * whole for prefill. */
+int kvserve_quant_gemm_built(void) { return 0; }
