@@ -20,7 +20,8 @@ def test_a_small_run_reports_every_shape(capsys: pytest.CaptureFixture[str]) -> 
     assert [(r["m"], r["n"], r["k"]) for r in rows] == [(3, n, k) for n, k in SHAPES]
     for row in rows:
         assert min(row["kvserve_int8_gops"], row["kvserve_bf16_gops"],
-                   row["onednn_int8_gops"]) > 0
+                   row["onednn_int8_gops"], row["q4_1_blocks_gops"],
+                   row["q4_1_float32_gops"]) > 0
         assert row["int8_over_bf16"] == pytest.approx(
             row["kvserve_int8_gops"] / row["kvserve_bf16_gops"], rel=0.02, abs=0.01)
 
