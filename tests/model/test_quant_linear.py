@@ -241,3 +241,28 @@ def test_packing_names_a_missing_weight(llama_dir: Path) -> None:
     del weights["model.layers.1.mlp.up_proj.weight"]
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight"):
         pack_quantized(loaded.model, weights)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_packed_scales_are_the_blocks_own_fp16_bytes(ggml_type: str) -> None:
+    """One token's matmul is bound by the bytes it reads: the kernels read GGUF's fp16 scales
+    (and Q4_1's fp16 mins) as the file holds them, not float32 copies."""
+    weight = _weight(ggml_type)
+    layer = BlockKernelLinear(weight, None)
+    raw = weight.data.reshape(96, 4, -1)  # [out, blocks, block bytes]
+    assert layer.scale.dtype == torch.float16
+    assert torch.equal(layer.scale.view(torch.uint8).view(96, 4, 2), raw[..., 0:2])
+    if ggml_type == "Q4_1":
+        assert torch.equal(layer.min.view(torch.uint8).view(96, 4, 2), raw[..., 2:4])
+    if ggml_type == "Q4_0":
+        assert torch.equal(layer.min.float(), -8 * layer.scale.float())
+    torch.testing.assert_close(layer.dequantized(), dequantize(weight), rtol=1e-6, atol=1e-7)
+
+
+def test_a_q4_0_scale_whose_min_overflows_fp16_is_refused() -> None:
+    weight = _weight("Q4_0")
+    raw = weight.data.reshape(96, 4, 18).clone()
+    raw[0, 0, 0:2] = torch.tensor([9000.0], dtype=torch.float16).view(torch.uint8)
+    huge = QuantizedWeight("Q4_0", weight.shape, raw.reshape(96, -1))
+    with pytest.raises(ValueError, match="without --quantization"):
+        BlockKernelLinear(huge, None)

@@ -91,6 +91,26 @@ def int4_codes(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, tor
     raise ValueError(f"{weight.ggml_type} is not a 4-bit type kvserve packs (Q4_0, Q4_1)")
 
 
+def block_scales(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q4_0, Q4_1 or Q8_0 weight's (scale, min) [out, in/32] in fp16, the bytes the blocks
+    hold, so w = scale * q + min with q the raw code (0..15, or -128..127 for Q8_0, whose min
+    is empty). Q4_0's min is -8 * scale, exact in fp16 wherever it fits (|scale| <= 8188)."""
+    blocks = _blocks(weight)  # [out, in/32, bytes]
+    scale = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+    if weight.ggml_type == "Q8_0":
+        return scale, torch.empty(0, dtype=torch.float16)
+    if weight.ggml_type == "Q4_1":
+        return scale, blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
+    if weight.ggml_type == "Q4_0":
+        low = (-8 * scale.float()).half()
+        if not torch.isfinite(low).all():
+            raise ValueError("a Q4_0 block's scale is above 8188, so its min (-8 x scale) does "
+                             "not fit fp16 and kvserve cannot keep the weight packed: load the "
+                             "model without --quantization (its weights then load dequantized)")
+        return scale, low
+    raise ValueError(f"{weight.ggml_type} is not a type kvserve packs (Q4_0, Q4_1, Q8_0)")
+
+
 def int8_codes(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """A Q8_0 weight as (codes [out, in] int32 in -128..127, scale [out, in/32] float32)."""
     if weight.ggml_type != "Q8_0":

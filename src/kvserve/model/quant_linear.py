@@ -34,7 +34,14 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.model import cpu_kernels
-from kvserve.model.ggml_blocks import BLOCK, QuantizedWeight, dequantize, int4_codes, int8_codes
+from kvserve.model.ggml_blocks import (
+    BLOCK,
+    QuantizedWeight,
+    block_scales,
+    dequantize,
+    int4_codes,
+    int8_codes,
+)
 from kvserve.model.onednn_linear import PackedLinear, onednn_available
 
 __all__ = [
@@ -76,20 +83,20 @@ def _out_dtype(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 class BlockKernelLinear:
     """y = x @ w.T + bias with w's codes kept as the blocks hold them (4-bit nibbles in ggml's
-    order, or int8) and one float32 scale (and min: w = scale * q + min) per 32 weights."""
+    order, or int8) and one fp16 scale (and min: w = scale * q + min) per 32 weights, the
+    blocks' own: one token's matmul is bound by the bytes it reads."""
 
     __slots__ = ("bias", "codes", "in_features", "is_q8", "min", "out_features", "scale")
 
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape
         self.is_q8 = weight.ggml_type == "Q8_0"
+        self.scale, self.min = block_scales(weight)  # fp16 [out, in/32] (min: Q4 only)
         if self.is_q8:
-            codes8, self.scale = int8_codes(weight)  # [out, in], [out, in/32]
+            codes8, _ = int8_codes(weight)  # [out, in]
             self.codes = codes8.to(torch.int8).contiguous()  # [out, in]
-            self.min = torch.empty(0)
         else:
-            codes, self.scale, zero = int4_codes(weight)
-            self.min = (zero - 8 * self.scale).contiguous()  # [out, in/32]
+            codes, _, _ = int4_codes(weight)
             low, high = codes.view(-1, 2, 16).unbind(1)  # [out * in/32, 16] each
             self.codes = (low | (high << 4)).to(torch.uint8).view(self.out_features, -1)
             # ^ [out, in/2]: byte j of a block holds weights j (low nibble) and j + 16
@@ -98,12 +105,13 @@ class BlockKernelLinear:
     def dequantized(self) -> torch.Tensor:
         """The weight in float32 [out, in], decoded from the kept codes."""
         blocks = self.scale.shape[1]
+        scale = self.scale.float().unsqueeze(-1)  # [out, in/32, 1]
         if self.is_q8:
             q = self.codes.view(self.out_features, blocks, BLOCK).float()
-            return (q * self.scale.unsqueeze(-1)).view(self.out_features, -1)
+            return (q * scale).view(self.out_features, -1)
         nibbles = self.codes.view(self.out_features, blocks, 16)
         q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=-1).float()  # [out, in/32, 32]
-        return torch.addcmul(self.min.unsqueeze(-1), q, self.scale.unsqueeze(-1)).view(
+        return torch.addcmul(self.min.float().unsqueeze(-1), q, scale).view(
             self.out_features, -1)
 
     def decoded_by_kernel(self, lib: Any) -> torch.Tensor:

@@ -29,12 +29,12 @@
 enum { PROJ_BF16 = 0, PROJ_Q4 = 1, PROJ_Q8 = 2, PROJ_I8 = 3 };
 
 /* One projection's weights: `codes` packed for kvserve_bf16_matmul (PROJ_BF16), or for
- * kvserve_i8_matmul with its per-channel scales (PROJ_I8), or a GGUF block matrix's codes with
- * its float32 scales (and mins, PROJ_Q4) as quant_matmul.c reads them; bias float32 [n] or
- * NULL. */
+ * kvserve_i8_matmul with its per-channel float32 scales (PROJ_I8), or a GGUF block matrix's
+ * codes with its fp16 scales (and mins, PROJ_Q4) as quant_matmul.c reads them; bias float32
+ * [n] or NULL. */
 struct decode_proj {
-    const void *codes;
-    const float *scale, *min, *bias;
+    const void *codes, *scale, *min;
+    const float *bias;
     long kind;
 };
 

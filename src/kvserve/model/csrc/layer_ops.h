@@ -23,11 +23,11 @@ int kvserve_bf16_matmul(const uint16_t *x, long x_stride, long m, const uint16_t
 int kvserve_i8_matmul(const void *x, long x_stride, int x_bf16, long m, const uint8_t *packed,
                       const float *sw, long n, long k, const float *bias, void *y,
                       long y_stride, int y_bf16, int num_threads);
-int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes, const float *scale,
-                      const float *min, float *out, long out_stride, long tokens,
+int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes,
+                      const uint16_t *scale, const uint16_t *min, float *out, long out_stride,
+                      long tokens, long out_features, long in_features, int num_threads);
+int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes,
+                      const uint16_t *scale, float *out, long out_stride, long tokens,
                       long out_features, long in_features, int num_threads);
-int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes, const float *scale,
-                      float *out, long out_stride, long tokens, long out_features,
-                      long in_features, int num_threads);
 
 #endif

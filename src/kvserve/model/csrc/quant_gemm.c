@@ -27,7 +27,7 @@
 
 /* Group g's codes as int16 pairs [K/2][GROUP][2], its scales and mins [blocks][GROUP]
  * (columns past out_features zero). */
-static void widen_group(const void *codes, const float *scale, const float *min, long g,
+static void widen_group(const void *codes, const uint16_t *scale, const uint16_t *min, long g,
                         long out_features, long in_features, int16_t *panel, float *ds,
                         float *ms) {
     const long blocks = in_features / 32;
@@ -42,11 +42,11 @@ static void widen_group(const void *codes, const float *scale, const float *min,
             if (n < out_features) {
                 if (min) {
                     w = q4_codes((const uint8_t *)codes + (n * blocks + b) * 16);
-                    m = min[n * blocks + b];
+                    m = h2f(min[n * blocks + b]);
                 } else {
                     w = q8_codes((const int8_t *)codes + (n * blocks + b) * 32);
                 }
-                d = scale[n * blocks + b];
+                d = h2f(scale[n * blocks + b]);
             }
             /* Lane p holds k = 2p, 2p + 1 of column c: to panel[(b * 16 + p) * GROUP + c]. */
             _mm512_i32scatter_epi32((int32_t *)panel + b * 16 * GROUP + c, lane, w, 4);
@@ -112,7 +112,7 @@ INLINE void tile(const act_rows *xr, long t0, const int16_t *panel, const float 
     }
 }
 
-int qgemm(const act_rows *xr, const void *codes, const float *scale, const float *min,
+int qgemm(const act_rows *xr, const void *codes, const uint16_t *scale, const uint16_t *min,
           float *out, long out_stride, long tokens, long out_features, long in_features,
           int num_threads) {
     const long blocks = in_features / 32, groups = (out_features + GROUP - 1) / GROUP;

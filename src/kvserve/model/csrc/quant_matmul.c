@@ -9,7 +9,8 @@
  *     j + 16 in its high nibble (ggml's order); w = scale * q + min per block (Q4_0: min = -8d,
  *     Q4_1: scale d, min m), so sum_j w_j x_j = d * dx * sum_j q_j xq_j + m * S with S = sum_j
  *     x_j exact in float32. q8: codes [out, in] int8; w = scale * q (Q8_0).
- * scale, min: [out, in/32] float32. x rows and out rows have strides in elements; in_features
+ * scale, min: [out, in/32] fp16, GGUF's own (read as they are: 4 bytes a block fewer than
+ * float32, which one token's matmul, bound by reading the weights, pays for). x rows and out rows have strides in elements; in_features
  * must be a multiple of 32 (the caller checks); 1 <= tokens <= MAX_TOKENS. Output rows are
  * split over num_threads OpenMP threads; from QGEMM_MIN_TOKENS rows, where built, the call
  * runs quant_gemm.c (the same numerics, another summation order). Returns 0, or -1 when tokens
@@ -40,14 +41,14 @@ static inline __m512 block_dot(__m512i w, const int16_t *xq) {
         long b = 0;                                                                         \
         for (; b + 1 < blocks; b += 2) {                                                    \
             a0 = _mm512_fmadd_ps(block_dot(W_CODES(b), (xq) + b * 32),                      \
-                                 _mm512_set1_ps(d[b] * (xd)[b]), a0);                       \
+                                 _mm512_set1_ps(h2f(d[b]) * (xd)[b]), a0);                  \
             a1 = _mm512_fmadd_ps(block_dot(W_CODES(b + 1), (xq) + b * 32 + 32),             \
-                                 _mm512_set1_ps(d[b + 1] * (xd)[b + 1]), a1);               \
+                                 _mm512_set1_ps(h2f(d[b + 1]) * (xd)[b + 1]), a1);          \
             off += OFFSET((xs)[b], b) + OFFSET((xs)[b + 1], b + 1);                         \
         }                                                                                   \
         if (b < blocks) {                                                                   \
             a0 = _mm512_fmadd_ps(block_dot(W_CODES(b), (xq) + b * 32),                      \
-                                 _mm512_set1_ps(d[b] * (xd)[b]), a0);                       \
+                                 _mm512_set1_ps(h2f(d[b]) * (xd)[b]), a0);                  \
             off += OFFSET((xs)[b], b);                                                      \
         }                                                                                   \
         (dst) = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + off;                          \
@@ -68,11 +69,12 @@ static inline __m512 block_dot(__m512i w, const int16_t *xq) {
             }                                                                               \
             for (long b = 0; b < blocks; b++) {                                             \
                 const __m512i w = W_CODES(b);                                               \
+                const float db = h2f(d[b]);                                                 \
                 _Pragma("GCC unroll 8") for (int t = 0; t < TILE_T; t++) {                  \
                     const long tb = (t0 + t) * blocks + b;                                  \
                     acc[t] = _mm512_fmadd_ps(                                               \
                         block_dot(w, xr.q + (t0 + t) * in_features + b * 32),               \
-                        _mm512_set1_ps(d[b] * xr.d[tb]), acc[t]);                           \
+                        _mm512_set1_ps(db * xr.d[tb]), acc[t]);                             \
                     off[t] += OFFSET(xr.sum[tb], b);                                        \
                 }                                                                           \
             }                                                                               \
@@ -115,20 +117,19 @@ static inline __m512 pair_scale(const float *ds, long b) {
     return _mm512_mask_broadcastss_ps(_mm512_set1_ps(ds[b]), 0xFF00, _mm_load_ss(ds + b + 1));
 }
 
-static float q4_one_token_row(const uint8_t *row, const float *d, const float *m,
+static float q4_one_token_row(const uint8_t *row, const uint16_t *d, const uint16_t *m,
                               const act_rows *xr, const int16_t *xp, long blocks, float *ds) {
     __m512 msum = _mm512_setzero_ps();
     long b = 0;
     for (; b + 16 <= blocks; b += 16) {
-        _mm512_storeu_ps(ds + b,
-                         _mm512_mul_ps(_mm512_loadu_ps(d + b), _mm512_loadu_ps(xr->d + b)));
-        msum = _mm512_fmadd_ps(_mm512_loadu_ps(m + b), _mm512_loadu_ps(xr->sum + b), msum);
+        _mm512_storeu_ps(ds + b, _mm512_mul_ps(load_h16(d + b), _mm512_loadu_ps(xr->d + b)));
+        msum = _mm512_fmadd_ps(load_h16(m + b), _mm512_loadu_ps(xr->sum + b), msum);
     }
     if (b < blocks) {
         const __mmask16 k = (__mmask16)((1u << (blocks - b)) - 1);
-        _mm512_mask_storeu_ps(ds + b, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, d + b),
+        _mm512_mask_storeu_ps(ds + b, k, _mm512_mul_ps(load_h16_masked(k, d + b),
                                                        _mm512_maskz_loadu_ps(k, xr->d + b)));
-        msum = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m + b),
+        msum = _mm512_fmadd_ps(load_h16_masked(k, m + b),
                                _mm512_maskz_loadu_ps(k, xr->sum + b), msum);
     }
     __m512 a0 = _mm512_setzero_ps(), a1 = a0;
@@ -144,9 +145,9 @@ static float q4_one_token_row(const uint8_t *row, const float *d, const float *m
     return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) + _mm512_reduce_add_ps(msum);
 }
 
-static int q4_matmul_one_token(const uint8_t *codes, const float *scale, const float *min,
-                               const act_rows *xr, float *out, long out_features,
-                               long in_features, int num_threads) {
+static int q4_matmul_one_token(const uint8_t *codes, const uint16_t *scale,
+                               const uint16_t *min, const act_rows *xr, float *out,
+                               long out_features, long in_features, int num_threads) {
     const long blocks = in_features / 32;
     int16_t *xp = aligned_alloc(64, (size_t)(in_features * 2 + 64) / 64 * 64);
     if (xp == NULL) return -1;
@@ -163,9 +164,9 @@ static int q4_matmul_one_token(const uint8_t *codes, const float *scale, const f
     return 0;
 }
 
-int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes, const float *scale,
-                      const float *min, float *out, long out_stride, long tokens,
-                      long out_features, long in_features, int num_threads) {
+int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes,
+                      const uint16_t *scale, const uint16_t *min, float *out, long out_stride,
+                      long tokens, long out_features, long in_features, int num_threads) {
     const long blocks = in_features / 32;
     act_rows xr;
     if (tokens < 1 || tokens > MAX_TOKENS ||
@@ -180,11 +181,11 @@ int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes, const
                                      num_threads);
     } else {
 #define Q4_CODES(b) q4_codes(row + (b) * 16)
-#define MIN_TERM(sum, b) (m[b] * (sum))
+#define MIN_TERM(sum, b) (h2f(m[b]) * (sum))
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (out_features >= 64)
         for (long n = 0; n < out_features; n++) {
             const uint8_t *row = codes + n * (in_features / 2);
-            const float *d = scale + n * blocks, *m = min + n * blocks;
+            const uint16_t *d = scale + n * blocks, *m = min + n * blocks;
             ROW(Q4_CODES, MIN_TERM);
         }
     }
@@ -193,9 +194,9 @@ int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes, const
     return status;
 }
 
-int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes, const float *scale,
-                      float *out, long out_stride, long tokens, long out_features,
-                      long in_features, int num_threads) {
+int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes,
+                      const uint16_t *scale, float *out, long out_stride, long tokens,
+                      long out_features, long in_features, int num_threads) {
     const long blocks = in_features / 32;
     act_rows xr;
     if (tokens < 1 || tokens > MAX_TOKENS ||
@@ -211,7 +212,7 @@ int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes, const 
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (out_features >= 64)
         for (long n = 0; n < out_features; n++) {
             const int8_t *row = codes + n * in_features;
-            const float *d = scale + n * blocks;
+            const uint16_t *d = scale + n * blocks;
             ROW(Q8_CODES, NO_TERM);
         }
     }
@@ -223,7 +224,7 @@ int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes, const 
 /* The weights in float32, out [rows, in_features] = scale * q + min (q4) or scale * q (q8),
  * for matmuls of more rows than the integer kernels pay for (prefill): a multiply and an add,
  * not fused, so each weight equals quant_linear's torch decoding. Returns 0. */
-int kvserve_q4_dequantize(const uint8_t *codes, const float *scale, const float *min,
+int kvserve_q4_dequantize(const uint8_t *codes, const uint16_t *scale, const uint16_t *min,
                           float *out, long rows, long in_features, int num_threads) {
     const long blocks = in_features / 32;
     const __m128i mask = _mm_set1_epi8(0x0F);
@@ -231,8 +232,8 @@ int kvserve_q4_dequantize(const uint8_t *codes, const float *scale, const float 
     for (long n = 0; n < rows; n++) {
         for (long b = 0; b < blocks; b++) {
             const __m128i q = _mm_loadu_si128((const __m128i *)(codes + (n * blocks + b) * 16));
-            const __m512 d = _mm512_set1_ps(scale[n * blocks + b]);
-            const __m512 m = _mm512_set1_ps(min[n * blocks + b]);
+            const __m512 d = _mm512_set1_ps(h2f(scale[n * blocks + b]));
+            const __m512 m = _mm512_set1_ps(h2f(min[n * blocks + b]));
             const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, mask)));
             const __m512 hi = _mm512_cvtepi32_ps(
                 _mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), mask)));
@@ -244,14 +245,14 @@ int kvserve_q4_dequantize(const uint8_t *codes, const float *scale, const float 
     return 0;
 }
 
-int kvserve_q8_dequantize(const int8_t *codes, const float *scale, float *out, long rows,
+int kvserve_q8_dequantize(const int8_t *codes, const uint16_t *scale, float *out, long rows,
                           long in_features, int num_threads) {
     const long blocks = in_features / 32;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 64)
     for (long n = 0; n < rows; n++) {
         for (long b = 0; b < blocks; b++) {
             const int8_t *q = codes + n * in_features + b * 32;
-            const __m512 d = _mm512_set1_ps(scale[n * blocks + b]);
+            const __m512 d = _mm512_set1_ps(h2f(scale[n * blocks + b]));
             float *o = out + n * in_features + b * 32;
             for (int j = 0; j < 32; j += 16)
                 _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(

@@ -1,7 +1,7 @@
 /* What quant_matmul.c and quant_gemm.c share: the int16 activation rows (each token's
  * activations rounded to int16 per block of 32, symmetric, scale dx = max|x| / 32767, with
- * each block's exact float32 sum), the widening of a block's weight codes to int16, and the
- * many-row kernel's entry point. */
+ * each block's exact float32 sum), the reading of the blocks' fp16 scales, the widening of a
+ * block's weight codes to int16, and the many-row kernel's entry point. */
 #ifndef KVSERVE_QUANT_ROWS_H
 #define KVSERVE_QUANT_ROWS_H
 
@@ -46,6 +46,15 @@ static inline int quantize_rows(const float *x, long x_stride, long tokens, long
     return 0;
 }
 
+/* GGUF's fp16 block scales and mins, to float32 (exact): one, 16, or the first k of 16. */
+static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+static inline __m512 load_h16(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline __m512 load_h16_masked(__mmask16 k, const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, p));
+}
+
 /* Q4: weight j in the low nibble of byte j, weight j + 16 in its high nibble: 32 int16. */
 static inline __m512i q4_codes(const uint8_t *codes) {
     const __m128i q = _mm_loadu_si128((const __m128i *)codes), mask = _mm_set1_epi8(0x0F);
@@ -59,13 +68,13 @@ static inline __m512i q8_codes(const int8_t *codes) {
 
 #ifdef __AVX512VNNI__
 #define QGEMM_BUILT 1
-int qgemm(const act_rows *xr, const void *codes, const float *scale, const float *min,
+int qgemm(const act_rows *xr, const void *codes, const uint16_t *scale, const uint16_t *min,
           float *out, long out_stride, long tokens, long out_features, long in_features,
           int num_threads);
 #else
 #define QGEMM_BUILT 0
-static inline int qgemm(const act_rows *xr, const void *codes, const float *scale,
-                        const float *min, float *out, long out_stride, long tokens,
+static inline int qgemm(const act_rows *xr, const void *codes, const uint16_t *scale,
+                        const uint16_t *min, float *out, long out_stride, long tokens,
                         long out_features, long in_features, int num_threads) {
     (void)xr, (void)codes, (void)scale, (void)min, (void)out, (void)out_stride, (void)tokens;
     (void)out_features, (void)in_features, (void)num_threads;

@@ -28,6 +28,9 @@
 /* Each token's activations: int16 codes (32 a block), and per block the scale and exact sum. */
 typedef struct { int16_t *q; float *d; float *sum; } act_rows;
 
+/* A block's fp16 scale or min (GGUF's own, as kept) to float32: exact. */
+static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
 static int quantize_rows(const float *x, long x_stride, long tokens, long in_features,
                          act_rows *r) {
     const long blocks = in_features / 32;
@@ -100,14 +103,14 @@ static inline __m256 block_dot(codes16 w, const int16_t *xq) {
         long b = 0;                                                                         \
         for (; b + 1 < blocks; b += 2) {                                                    \
             a0 = _mm256_fmadd_ps(block_dot(W_CODES(b), (xq) + b * 32),                      \
-                                 _mm256_set1_ps(d[b] * (xd)[b]), a0);                       \
+                                 _mm256_set1_ps(h2f(d[b]) * (xd)[b]), a0);                       \
             a1 = _mm256_fmadd_ps(block_dot(W_CODES(b + 1), (xq) + b * 32 + 32),             \
-                                 _mm256_set1_ps(d[b + 1] * (xd)[b + 1]), a1);               \
+                                 _mm256_set1_ps(h2f(d[b + 1]) * (xd)[b + 1]), a1);               \
             off += OFFSET((xs)[b], b) + OFFSET((xs)[b + 1], b + 1);                         \
         }                                                                                   \
         if (b < blocks) {                                                                   \
             a0 = _mm256_fmadd_ps(block_dot(W_CODES(b), (xq) + b * 32),                      \
-                                 _mm256_set1_ps(d[b] * (xd)[b]), a0);                       \
+                                 _mm256_set1_ps(h2f(d[b]) * (xd)[b]), a0);                       \
             off += OFFSET((xs)[b], b);                                                      \
         }                                                                                   \
         (dst) = reduce_add(_mm256_add_ps(a0, a1)) + off;                                    \
@@ -128,11 +131,12 @@ static inline __m256 block_dot(codes16 w, const int16_t *xq) {
             }                                                                               \
             for (long b = 0; b < blocks; b++) {                                             \
                 const codes16 w = W_CODES(b);                                               \
+                const float db = h2f(d[b]);                                                 \
                 _Pragma("GCC unroll 8") for (int t = 0; t < TILE_T; t++) {                  \
                     const long tb = (t0 + t) * blocks + b;                                  \
                     acc[t] = _mm256_fmadd_ps(                                               \
                         block_dot(w, xr.q + (t0 + t) * in_features + b * 32),               \
-                        _mm256_set1_ps(d[b] * xr.d[tb]), acc[t]);                           \
+                        _mm256_set1_ps(db * xr.d[tb]), acc[t]);                             \
                     off[t] += OFFSET(xr.sum[tb], b);                                        \
                 }                                                                           \
             }                                                                               \
@@ -144,20 +148,20 @@ static inline __m256 block_dot(codes16 w, const int16_t *xq) {
                           xr.sum + t0 * blocks, out[t0 * out_stride + n]);                  \
     } while (0)
 
-int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes, const float *scale,
-                      const float *min, float *out, long out_stride, long tokens,
-                      long out_features, long in_features, int num_threads) {
+int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes,
+                      const uint16_t *scale, const uint16_t *min, float *out, long out_stride,
+                      long tokens, long out_features, long in_features, int num_threads) {
     const long blocks = in_features / 32;
     act_rows xr;
     if (tokens < 1 || tokens > MAX_TOKENS ||
         quantize_rows(x, x_stride, tokens, in_features, &xr) != 0)
         return -1;
 #define Q4_CODES(b) q4_codes(row + (b) * 16)
-#define MIN_TERM(sum, b) (m[b] * (sum))
+#define MIN_TERM(sum, b) (h2f(m[b]) * (sum))
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (out_features >= 64)
     for (long n = 0; n < out_features; n++) {
         const uint8_t *row = codes + n * (in_features / 2);
-        const float *d = scale + n * blocks, *m = min + n * blocks;
+        const uint16_t *d = scale + n * blocks, *m = min + n * blocks;
         ROW(Q4_CODES, MIN_TERM);
     }
     free(xr.q);
@@ -165,9 +169,9 @@ int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes, const
     return 0;
 }
 
-int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes, const float *scale,
-                      float *out, long out_stride, long tokens, long out_features,
-                      long in_features, int num_threads) {
+int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes,
+                      const uint16_t *scale, float *out, long out_stride, long tokens,
+                      long out_features, long in_features, int num_threads) {
     const long blocks = in_features / 32;
     act_rows xr;
     if (tokens < 1 || tokens > MAX_TOKENS ||
@@ -178,7 +182,7 @@ int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes, const 
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (out_features >= 64)
     for (long n = 0; n < out_features; n++) {
         const int8_t *row = codes + n * in_features;
-        const float *d = scale + n * blocks;
+        const uint16_t *d = scale + n * blocks;
         ROW(Q8_CODES, NO_TERM);
     }
     free(xr.q);
@@ -188,7 +192,7 @@ int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes, const 
 
 /* The weights in float32: ../quant_matmul.c's kvserve_q4_dequantize / kvserve_q8_dequantize at
  * 8 lanes (a multiply and an add, not fused, as quant_linear's torch decoding). Returns 0. */
-int kvserve_q4_dequantize(const uint8_t *codes, const float *scale, const float *min,
+int kvserve_q4_dequantize(const uint8_t *codes, const uint16_t *scale, const uint16_t *min,
                           float *out, long rows, long in_features, int num_threads) {
     const long blocks = in_features / 32;
     const __m128i mask = _mm_set1_epi8(0x0F);
@@ -198,8 +202,8 @@ int kvserve_q4_dequantize(const uint8_t *codes, const float *scale, const float 
             const __m128i q = _mm_loadu_si128((const __m128i *)(codes + (n * blocks + b) * 16));
             const __m128i lo = _mm_and_si128(q, mask);
             const __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), mask);
-            const __m256 d = _mm256_set1_ps(scale[n * blocks + b]);
-            const __m256 m = _mm256_set1_ps(min[n * blocks + b]);
+            const __m256 d = _mm256_set1_ps(h2f(scale[n * blocks + b]));
+            const __m256 m = _mm256_set1_ps(h2f(min[n * blocks + b]));
             const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
             float *o = out + n * in_features + b * 32;
             for (int j = 0; j < 4; j++)
@@ -210,14 +214,14 @@ int kvserve_q4_dequantize(const uint8_t *codes, const float *scale, const float 
     return 0;
 }
 
-int kvserve_q8_dequantize(const int8_t *codes, const float *scale, float *out, long rows,
+int kvserve_q8_dequantize(const int8_t *codes, const uint16_t *scale, float *out, long rows,
                           long in_features, int num_threads) {
     const long blocks = in_features / 32;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= 64)
     for (long n = 0; n < rows; n++) {
         for (long b = 0; b < blocks; b++) {
             const int8_t *q = codes + n * in_features + b * 32;
-            const __m256 d = _mm256_set1_ps(scale[n * blocks + b]);
+            const __m256 d = _mm256_set1_ps(h2f(scale[n * blocks + b]));
             float *o = out + n * in_features + b * 32;
             for (int j = 0; j < 32; j += 8)
                 _mm256_storeu_ps(o + j, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
