@@ -7,7 +7,8 @@ time by what this machine has:
 1. kvserve's C kernels (csrc/quant_matmul.c for AVX-512, csrc/avx2/quant_matmul.c for AVX2):
    each block's dot product in integers: codes widened to int16 in registers, activations
    rounded to int16 per block of 32 (scale max|x| / 32767: 256 times finer than ggml's int8,
-   which moved greedy tokens on real chats), float32 scales and accumulation. From 16 rows on
+   which moved greedy tokens on real chats), the blocks' own fp16 weight scales read as the
+   file holds them, float32 accumulation. From 16 rows on
    AVX512-VNNI CPUs (`kernels_take_many_rows`), csrc/quant_gemm.c widens each group of 32
    columns once per call and runs every row against it with vpdpwssd: the same numerics,
    1.6-2.3x the float32 path below at prefill sizes (docs/benchmarks.md). Elsewhere batches of
