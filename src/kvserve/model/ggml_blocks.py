@@ -67,9 +67,14 @@ def _blocks(weight: QuantizedWeight) -> torch.Tensor:
     return weight.data.reshape(out, inp // BLOCK, _BLOCK_BYTES[weight.ggml_type])
 
 
+def _half(raw: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 little-endian fp16 -> [...] float16, the same bytes."""
+    return raw.contiguous().view(torch.float16).squeeze(-1)
+
+
 def _fp16(raw: torch.Tensor) -> torch.Tensor:
     """[..., 2] uint8 little-endian fp16 -> [...] float32."""
-    return raw.contiguous().view(torch.float16).squeeze(-1).float()
+    return _half(raw).float()
 
 
 def _nibbles(raw: torch.Tensor) -> torch.Tensor:
@@ -96,11 +101,11 @@ def block_scales(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     hold, so w = scale * q + min with q the raw code (0..15, or -128..127 for Q8_0, whose min
     is empty). Q4_0's min is -8 * scale, exact in fp16 wherever it fits (|scale| <= 8188)."""
     blocks = _blocks(weight)  # [out, in/32, bytes]
-    scale = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
+    scale = _half(blocks[..., 0:2])
     if weight.ggml_type == "Q8_0":
         return scale, torch.empty(0, dtype=torch.float16)
     if weight.ggml_type == "Q4_1":
-        return scale, blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
+        return scale, _half(blocks[..., 2:4])
     if weight.ggml_type == "Q4_0":
         low = (-8 * scale.float()).half()
         if not torch.isfinite(low).all():

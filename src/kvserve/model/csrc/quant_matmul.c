@@ -9,12 +9,13 @@
  *     j + 16 in its high nibble (ggml's order); w = scale * q + min per block (Q4_0: min = -8d,
  *     Q4_1: scale d, min m), so sum_j w_j x_j = d * dx * sum_j q_j xq_j + m * S with S = sum_j
  *     x_j exact in float32. q8: codes [out, in] int8; w = scale * q (Q8_0).
- * scale, min: [out, in/32] fp16, GGUF's own (read as they are: 4 bytes a block fewer than
- * float32, which one token's matmul, bound by reading the weights, pays for). x rows and out rows have strides in elements; in_features
- * must be a multiple of 32 (the caller checks); 1 <= tokens <= MAX_TOKENS. Output rows are
- * split over num_threads OpenMP threads; from QGEMM_MIN_TOKENS rows, where built, the call
- * runs quant_gemm.c (the same numerics, another summation order). Returns 0, or -1 when tokens
- * is out of range or the activation or panel scratch could not be allocated. */
+ * scale, min: [out, in/32] fp16, GGUF's own, read as they are (4 bytes a block fewer than
+ * float32: one token's matmul is bound by reading the weights). x rows and out rows have
+ * strides in elements; in_features must be a multiple of 32 (the caller checks); 1 <= tokens
+ * <= MAX_TOKENS. Output rows are split over num_threads OpenMP threads; from QGEMM_MIN_TOKENS
+ * rows, where built, the call runs quant_gemm.c (the same numerics, another summation order).
+ * Returns 0, or -1 when tokens is out of range or the activation or panel scratch could not be
+ * allocated. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>

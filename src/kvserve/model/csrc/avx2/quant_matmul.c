@@ -103,14 +103,14 @@ static inline __m256 block_dot(codes16 w, const int16_t *xq) {
         long b = 0;                                                                         \
         for (; b + 1 < blocks; b += 2) {                                                    \
             a0 = _mm256_fmadd_ps(block_dot(W_CODES(b), (xq) + b * 32),                      \
-                                 _mm256_set1_ps(h2f(d[b]) * (xd)[b]), a0);                       \
+                                 _mm256_set1_ps(h2f(d[b]) * (xd)[b]), a0);                  \
             a1 = _mm256_fmadd_ps(block_dot(W_CODES(b + 1), (xq) + b * 32 + 32),             \
-                                 _mm256_set1_ps(h2f(d[b + 1]) * (xd)[b + 1]), a1);               \
+                                 _mm256_set1_ps(h2f(d[b + 1]) * (xd)[b + 1]), a1);          \
             off += OFFSET((xs)[b], b) + OFFSET((xs)[b + 1], b + 1);                         \
         }                                                                                   \
         if (b < blocks) {                                                                   \
             a0 = _mm256_fmadd_ps(block_dot(W_CODES(b), (xq) + b * 32),                      \
-                                 _mm256_set1_ps(h2f(d[b]) * (xd)[b]), a0);                       \
+                                 _mm256_set1_ps(h2f(d[b]) * (xd)[b]), a0);                  \
             off += OFFSET((xs)[b], b);                                                      \
         }                                                                                   \
         (dst) = reduce_add(_mm256_add_ps(a0, a1)) + off;                                    \
