@@ -206,7 +206,7 @@ def test_the_avx2_set_matches_pytorch_in_its_own_process():
     here = Path(__file__).parent
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-x", __file__,
-         str(here / "test_cpu_attention.py"),
+         str(here / "test_cpu_attention.py"), str(here / "test_decode_step.py"),
          f"{here / 'test_quant_linear.py'}::test_every_path_computes_the_dequantized_matmul",
          "-k", "not own_process and not follows_the_cpu"],
         capture_output=True, text=True, timeout=300, env=env, cwd=REPO, check=False)
@@ -218,4 +218,5 @@ def test_families_are_the_sets_own():
     assert set(cpu_kernels.families()) == {
         "avx512": {"attention", "paged_decode", "pointwise", "quant", "bf16_matmul",
                    "int8_matmul", "decode_step"},
-        "avx2": {"paged_decode", "pointwise", "quant"}}[cpu_kernels.kernel_set() or ""]
+        "avx2": {"paged_decode", "pointwise", "quant", "decode_step"},
+    }[cpu_kernels.kernel_set() or ""]

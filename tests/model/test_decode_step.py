@@ -24,7 +24,7 @@ needs_kernel = pytest.mark.skipif(
 
 needs_block_kernels = pytest.mark.skipif(
     not cpu_kernels.available("decode_step") or not cpu_kernels.available("quant"),
-    reason="the fused decode step over GGUF blocks runs on kvserve's AVX-512 kernel set")
+    reason="the fused decode step over GGUF blocks runs on kvserve's AVX-512 or AVX2 kernel set")
 
 # Head dim 32 (rotary needs half a head in 16-lane vectors), GQA 4/2, odd-ish sizes.
 SHAPE = {"hidden_size": 128, "intermediate_size": 176, "num_attention_heads": 4,

@@ -1,15 +1,17 @@
 """kvserve's CPU kernels (the C sources in csrc/): built on first use, loaded through ctypes.
 
 The kernels compute in float32 on x86-64 CPUs (attention and the position-wise ops also read and
-write bfloat16 tensors), in families (FAMILIES): prefill attention and paged
-decode (cpu_attention), the fused position-wise ops of a layer (cpu_pointwise), and matmuls by
-weights kept in GGUF's 4- and 8-bit blocks (quant_linear). Which families a CPU gets is chosen
-at run time from its vector unit (torch's `get_cpu_capability()`): with AVX-512 every family
-(csrc/*.c); with AVX2 and FMA but no AVX-512 all but prefill attention (csrc/avx2/*.c, the same
-kernels at 8 lanes). A family not built here, or no kernels at all, makes `library(family)`
-None, and every caller then takes its PyTorch path, which stays the reference the kernels are
-tested against. `KVSERVE_CPU_KERNELS_ISA=avx2` builds the AVX2 set on an AVX-512 CPU (so one
-machine tests both).
+write bfloat16 tensors), in families (FAMILIES): prefill attention and paged decode
+(cpu_attention), the fused position-wise ops of a layer (cpu_pointwise), matmuls by weights kept
+in GGUF's 4- and 8-bit blocks (quant_linear), bf16 and int8 x int8 matmuls (bf16_linear,
+int8_linear), and the fused decode step (decode_step). Which families a CPU gets is chosen at
+run time from its vector unit (torch's `get_cpu_capability()`): with AVX-512 every family
+(csrc/*.c); with AVX2 and FMA but no AVX-512 paged decode, the position-wise ops, the block
+matmuls and the fused decode step over blocks (csrc/avx2/*.c, the same kernels at 8 lanes). A
+family not built here, or no kernels at all, makes `library(family)` None, and every caller then
+takes its PyTorch path, which stays the reference the kernels are tested against.
+`KVSERVE_CPU_KERNELS_ISA=avx2` builds the AVX2 set on an AVX-512 CPU (so one machine tests
+both).
 
 Building: the chosen set is compiled with the system's C compiler (`$CC`, else `cc` or `gcc`)
 for this machine's CPU (`-march=native`) into one library in `$KVSERVE_CACHE/kernels` (else
@@ -68,7 +70,7 @@ FAMILIES: dict[str, dict[str, tuple[Any, ...]]] = {  # family: kernel: its param
 _KERNEL_SETS = {  # ISA: (source folder under csrc/, the families its sources export)
     "avx512": ("", ("attention", "paged_decode", "pointwise", "quant", "bf16_matmul",
                        "int8_matmul", "decode_step")),
-    "avx2": ("avx2", ("paged_decode", "pointwise", "quant")),
+    "avx2": ("avx2", ("paged_decode", "pointwise", "quant", "decode_step")),
 }
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -118,8 +120,10 @@ def build(compiler: str, isa: str = "avx512") -> Path:
     """Compile `isa`'s kernel library (or find it already compiled); raise on any failure."""
     folder = _SRC_DIR / _KERNEL_SETS[isa][0]
     sources = sorted(p for p in folder.iterdir() if p.suffix in (".c", ".h"))
-    # A set in a subfolder may include csrc/'s headers (../paged_decode.h): they count too.
-    shared = [] if folder == _SRC_DIR else sorted(_SRC_DIR.glob("*.h"))
+    # A set in a subfolder may include csrc/'s files (../paged_decode.h, ../decode_step.c):
+    # they count too.
+    shared = [] if folder == _SRC_DIR else sorted(
+        p for p in _SRC_DIR.iterdir() if p.suffix in (".c", ".h"))
     digest = hashlib.sha256()
     for path in [*sources, *shared]:
         digest.update(path.name.encode() + path.read_bytes())

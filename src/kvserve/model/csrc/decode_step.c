@@ -18,13 +18,19 @@
  * else the failing kernel's status (nothing of a layer is skipped silently).
  *
  * Why: at one to a few tokens a step the per-op path pays Python and ATen dispatch (about ten
- * calls a layer) comparable to the matmuls' own time; here it is one call a step. */
+ * calls a layer) comparable to the matmuls' own time; here it is one call a step.
+ *
+ * The AVX2 set (avx2/decode_step.c) compiles this file with DECODE_STEP_BLOCKS_ONLY defined:
+ * float32 activations over GGUF blocks only, since that set has no bf16 or int8 matmul; a bf16
+ * step or a PROJ_BF16 / PROJ_I8 projection then returns -1. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "layer_ops.h"
+#ifndef DECODE_STEP_BLOCKS_ONLY
 #include "vec_math.h"
+#endif
 
 enum { PROJ_BF16 = 0, PROJ_Q4 = 1, PROJ_Q8 = 2, PROJ_I8 = 3 };
 
@@ -57,6 +63,7 @@ struct decode_step_args {
     float eps, scale;
 };
 
+#ifndef DECODE_STEP_BLOCKS_ONLY
 /* bf16 [n] -> float32 [n] (exact), and float32 -> bf16 rounded to nearest even; n % 16 == 0. */
 static void widen(const uint16_t *src, float *dst, long n) {
     for (long i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, load16(src, i, 1));
@@ -64,6 +71,12 @@ static void widen(const uint16_t *src, float *dst, long n) {
 static void narrow(const float *src, uint16_t *dst, long n) {
     for (long i = 0; i < n; i += 16) store16(dst, i, _mm512_loadu_ps(src + i), 1);
 }
+#define HAS_BF16_INT8 1
+#else /* never called: a bf16 step is refused first */
+static void widen(const uint16_t *src, float *dst, long n) { (void)src, (void)dst, (void)n; }
+static void narrow(const float *src, uint16_t *dst, long n) { (void)src, (void)dst, (void)n; }
+#define HAS_BF16_INT8 0
+#endif
 
 #define CHECK(call)              \
     do {                         \
@@ -77,11 +90,13 @@ static int project(const struct decode_proj *w, const void *x, long x_stride, lo
                    long k, void *y, long y_stride, int th, int bf) {
     int status;
     switch (w->kind) {
+#if HAS_BF16_INT8
     case PROJ_BF16:
         return kvserve_bf16_matmul(x, x_stride, m, w->codes, n, k, w->bias, y, y_stride, 1, th);
     case PROJ_I8:
         return kvserve_i8_matmul(x, x_stride, bf, m, w->codes, w->scale, n, k, w->bias, y,
                                  y_stride, bf, th);
+#endif
     case PROJ_Q4:
         status = kvserve_q4_matmul(x, x_stride, w->codes, w->scale, w->min, y, y_stride, m, n,
                                    k, th);
@@ -105,7 +120,7 @@ int kvserve_decode_step(const struct decode_step_args *a) {
     const long qkv_n = q_size + 2 * kv_size;
     const int th = a->num_threads, bf = a->bf16;
     const long es = bf ? 2 : 4;  /* bytes an activation or cache element */
-    if (q_size % 16) return -1;
+    if (q_size % 16 || (bf && !HAS_BF16_INT8)) return -1;
     /* Scratch in the activations' dtype: residual partner [D, hid], normed [D, hid], qkv
      * [D, qkv_n], attention out [D, q_size], gate_up [D, 2 * inter], act [D, inter]; for bf16
      * also q and the attention out in float32 [D, q_size] each (paged decode's dtype). */
