@@ -5,8 +5,11 @@
  *
  * Each (decode, kv head) item: its group's query heads over the decode's keys, read in place from
  * the paged cache in chunks of DCH keys, an online softmax in base 2 (scale folded with log2 e
- * into q), starting from the prior softmax part when there is one. Returns 0; -1 for a head dim
- * that is not a multiple of 8 up to MAX_HD, or a group over MAX_GROUP. */
+ * into q), starting from the prior softmax part when there is one. Per chunk and query head,
+ * the scores go eight keys at a time (one accumulator a key, summed by one transpose) and the
+ * output row stays in registers across the chunk's values, so no per-key horizontal sum or
+ * store bounds the loop. Returns 0; -1 for a head dim
+ * that is not a multiple of 16 up to MAX_HD, or a group over MAX_GROUP. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -45,6 +48,74 @@ static inline long paged_offset(const int64_t *table, long pos, long block_size,
     return (table[pos / block_size] * block_size + pos % block_size) * row_stride;
 }
 
+/* The 8 horizontal sums of a[0..7], in order, as one vector. */
+static inline __m256 hsum8(const __m256 *a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Scores of one query head (qr, hd floats) against the chunk's keys at element offsets
+ * kp[0, n): eight keys at a time, one accumulator a key, their sums transposed together. */
+static inline __attribute__((always_inline)) void chunk_scores(
+    const float *qr, const void *k_cache, const long *kp, int n, int nv, int bf16, float *sc) {
+    int j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 acc[8];
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) acc[k] = _mm256_setzero_ps();
+        for (int x = 0; x < nv; x++) {
+            const __m256 qx = _mm256_load_ps(qr + 8 * x);
+#pragma GCC unroll 8
+            for (int k = 0; k < 8; k++)
+                acc[k] = _mm256_fmadd_ps(qx, load8(k_cache, kp[j + k] + 8 * x, bf16), acc[k]);
+        }
+        _mm256_store_ps(sc + j, hsum8(acc));
+    }
+    for (; j < n; j++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int x = 0; x < nv; x++)
+            acc = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * x), load8(k_cache, kp[j] + 8 * x, bf16),
+                                  acc);
+        sc[j] = reduce_add(acc);
+    }
+}
+
+/* orow[0, 8W) += sum_j p[j] * V row j (at element offsets vp[j] + 8 * x0), the W vectors held
+ * in registers across the chunk's keys. */
+static inline __attribute__((always_inline)) void chunk_values(
+    float *orow, const float *p, const void *v_cache, const long *vp, int n, int x0, int w,
+    int bf16) {
+    __m256 acc[8];
+#pragma GCC unroll 8
+    for (int x = 0; x < w; x++) acc[x] = _mm256_load_ps(orow + 8 * x);
+    for (int j = 0; j < n; j++) {
+        const __m256 pj = _mm256_broadcast_ss(p + j);
+#pragma GCC unroll 8
+        for (int x = 0; x < w; x++)
+            acc[x] = _mm256_fmadd_ps(pj, load8(v_cache, vp[j] + 8 * (x0 + x), bf16), acc[x]);
+    }
+#pragma GCC unroll 8
+    for (int x = 0; x < w; x++) _mm256_store_ps(orow + 8 * x, acc[x]);
+}
+
+/* One head's output row over the chunk, in register-held slices of up to 8 vectors (a head dim
+ * is a multiple of 16, so a slice is 2, 4, 6 or 8 vectors: constants, one loop each). */
+static inline __attribute__((always_inline)) void chunk_head_values(
+    float *orow, const float *p, const void *v_cache, const long *vp, int n, int nv, int bf16) {
+    for (int x0 = 0; x0 < nv; x0 += 8) {
+        float *o = orow + 8 * x0;
+        switch (nv - x0 < 8 ? nv - x0 : 8) {
+        case 8: chunk_values(o, p, v_cache, vp, n, x0, 8, bf16); break;
+        case 6: chunk_values(o, p, v_cache, vp, n, x0, 6, bf16); break;
+        case 4: chunk_values(o, p, v_cache, vp, n, x0, 4, bf16); break;
+        default: chunk_values(o, p, v_cache, vp, n, x0, 2, bf16); break;
+        }
+    }
+}
+
 /* Always inlined, so each caller's constant bf16 yields a loop of its own. */
 static inline __attribute__((always_inline)) void decode_item(const struct decode_args *a,
                                                               long i, int kvh, int bf16) {
@@ -52,6 +123,7 @@ static inline __attribute__((always_inline)) void decode_item(const struct decod
     float qv[MAX_GROUP * MAX_HD] __attribute__((aligned(32)));
     float o[MAX_GROUP * MAX_HD] __attribute__((aligned(32)));
     float sc[MAX_GROUP * DCH] __attribute__((aligned(32)));
+    long rows[DCH];  /* the chunk's keys: element offsets of this kv head's row in a cache */
     float m[MAX_GROUP], l[MAX_GROUP];
     const float qscale = a->scale * (float)M_LOG2E;
     for (int r = 0; r < group; r++) {
@@ -74,34 +146,17 @@ static inline __attribute__((always_inline)) void decode_item(const struct decod
     for (long p0 = start; p0 < end; p0 += DCH) {
         const int n = (int)(end - p0 < DCH ? end - p0 : DCH);
         const int n_pad = (n + 7) & ~7;
-        for (int j = 0; j < n; j++) {
-            const long kp = paged_offset(table, p0 + j, a->block_size, row_stride) + kvh * hd;
-            for (int r = 0; r < group; r++) {
-                const float *qr = qv + r * hd;
-                __m256 acc = _mm256_mul_ps(_mm256_load_ps(qr), load8(a->k_cache, kp, bf16));
-                for (int x = 1; x < nv; x++)
-                    acc = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * x),
-                                          load8(a->k_cache, kp + 8 * x, bf16), acc);
-                sc[r * DCH + j] = reduce_add(acc);
-            }
-        }
+        for (int j = 0; j < n; j++)
+            rows[j] = paged_offset(table, p0 + j, a->block_size, row_stride) + kvh * hd;
         for (int r = 0; r < group; r++) {
             float *row = sc + r * DCH;
+            chunk_scores(qv + r * hd, a->k_cache, rows, n, nv, bf16, row);
             for (int j = n; j < n_pad; j++) row[j] = -INFINITY;
             const __m256 av = _mm256_set1_ps(online_softmax_block(row, n_pad, m + r, l + r));
             for (int x = 0; x < nv; x++)
                 _mm256_store_ps(o + r * hd + 8 * x,
                                 _mm256_mul_ps(_mm256_load_ps(o + r * hd + 8 * x), av));
-        }
-        for (int j = 0; j < n; j++) {
-            const long vp = paged_offset(table, p0 + j, a->block_size, row_stride) + kvh * hd;
-            for (int r = 0; r < group; r++) {
-                const __m256 pr = _mm256_set1_ps(sc[r * DCH + j]);
-                float *orow = o + r * hd;
-                for (int x = 0; x < nv; x++)
-                    _mm256_store_ps(orow + 8 * x, _mm256_fmadd_ps(
-                        pr, load8(a->v_cache, vp + 8 * x, bf16), _mm256_load_ps(orow + 8 * x)));
-            }
+            chunk_head_values(o + r * hd, row, a->v_cache, rows, n, nv, bf16);
         }
     }
     for (int r = 0; r < group; r++) {
@@ -114,7 +169,7 @@ static inline __attribute__((always_inline)) void decode_item(const struct decod
 
 int kvserve_paged_decode(const struct decode_args *a) {
     const int hd = a->head_dim;
-    if (hd % 8 || hd > MAX_HD || a->num_heads % a->num_kv_heads ||
+    if (hd % 16 || hd > MAX_HD || a->num_heads % a->num_kv_heads ||
         a->num_heads / a->num_kv_heads > MAX_GROUP)
         return -1;
     const long items = a->num_decodes * a->num_kv_heads;

@@ -148,6 +148,123 @@ static inline __m256 block_dot(codes16 w, const int16_t *xq) {
                           xr.sum + t0 * blocks, out[t0 * out_stride + n]);                  \
     } while (0)
 
+/* One token (decoding at one sequence, where the matmul reads every weight once and must keep up
+ * with memory): ../quant_matmul.c's one-token loops at 8 lanes. Each block's d * dx, and the
+ * min term sum_b m_b * S_b, are taken in a vector pass per row (no scalar fp16 conversion a
+ * block). Q4 goes two blocks a step: a 32-byte load holds blocks b and b + 1's codes, and the
+ * in-lane byte unpacks give each 128-bit lane one block's weights, so the token's codes are laid
+ * out to match once per call (`pair_order`); then per pair four vpmaddwd and one float FMA,
+ * whose low four lanes carry block b's scale and high four block b + 1's. */
+static void pair_order(const int16_t *q, long blocks, int16_t *xp) {
+    for (long b = 0; b + 1 < blocks; b += 2) {  /* per pair: weights 0-7, 8-15, 16-23, 24-31 */
+        const int16_t *a = q + b * 32, *c = a + 32;
+        for (int j = 0; j < 4; j++) {
+            __builtin_memcpy(xp + b * 32 + j * 16, a + j * 8, 16);
+            __builtin_memcpy(xp + b * 32 + j * 16 + 8, c + j * 8, 16);
+        }
+    }
+}
+
+/* Blocks b and b + 1 of a row against the token's pair-ordered codes: 8 float partial sums,
+ * block b's in lanes 0-3 and block b + 1's in lanes 4-7. */
+static inline __m256 q4_pair_dot(const uint8_t *row, const int16_t *xp, long b) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(row + b * 16));
+    const __m256i low4 = _mm256_set1_epi8(0x0F), zero = _mm256_setzero_si256();
+    const __m256i lo = _mm256_and_si256(v, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+    const __m256i *x = (const __m256i *)(xp + b * 32);
+    const __m256i s0 = _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_unpacklo_epi8(lo, zero), _mm256_loadu_si256(x)),
+        _mm256_madd_epi16(_mm256_unpackhi_epi8(lo, zero), _mm256_loadu_si256(x + 1)));
+    const __m256i s1 = _mm256_add_epi32(
+        _mm256_madd_epi16(_mm256_unpacklo_epi8(hi, zero), _mm256_loadu_si256(x + 2)),
+        _mm256_madd_epi16(_mm256_unpackhi_epi8(hi, zero), _mm256_loadu_si256(x + 3)));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+}
+
+/* ds[b] = d_b * dx_b for a row's blocks; returns sum_b m_b * S_b (0 when m is NULL: Q8). */
+static float row_scales(const uint16_t *d, const uint16_t *m, const act_rows *xr, long blocks,
+                        float *ds) {
+    __m256 msum = _mm256_setzero_ps();
+    long b = 0;
+    for (; b + 8 <= blocks; b += 8) {
+        const __m256 db = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(d + b)));
+        _mm256_storeu_ps(ds + b, _mm256_mul_ps(db, _mm256_loadu_ps(xr->d + b)));
+        if (m)
+            msum = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(m + b))),
+                                   _mm256_loadu_ps(xr->sum + b), msum);
+    }
+    float off = reduce_add(msum);
+    for (; b < blocks; b++) {
+        ds[b] = h2f(d[b]) * xr->d[b];
+        if (m) off += h2f(m[b]) * xr->sum[b];
+    }
+    return off;
+}
+
+static int q4_matmul_one_token(const uint8_t *codes, const uint16_t *scale,
+                               const uint16_t *min, const act_rows *xr, float *out,
+                               long out_features, long in_features, int num_threads) {
+    const long blocks = in_features / 32;
+    int16_t *xp = aligned_alloc(32, (size_t)(in_features * 2 + 32) / 32 * 32);
+    if (xp == NULL) return -1;
+    pair_order(xr->q, blocks, xp);
+#pragma omp parallel num_threads(num_threads) if (out_features >= 64)
+    {
+        float ds[blocks + 8];  /* this thread's d * dx of a row's blocks */
+#pragma omp for schedule(static)
+        for (long n = 0; n < out_features; n++) {
+            const uint8_t *row = codes + n * (in_features / 2);
+            const float off = row_scales(scale + n * blocks, min + n * blocks, xr, blocks, ds);
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+            long b = 0;
+            for (; b + 3 < blocks; b += 4) {  /* two pairs an iteration: two accumulators */
+                a0 = _mm256_fmadd_ps(q4_pair_dot(row, xp, b), _mm256_set_m128(
+                    _mm_set1_ps(ds[b + 1]), _mm_set1_ps(ds[b])), a0);
+                a1 = _mm256_fmadd_ps(q4_pair_dot(row, xp, b + 2), _mm256_set_m128(
+                    _mm_set1_ps(ds[b + 3]), _mm_set1_ps(ds[b + 2])), a1);
+            }
+            for (; b + 1 < blocks; b += 2)
+                a0 = _mm256_fmadd_ps(q4_pair_dot(row, xp, b), _mm256_set_m128(
+                    _mm_set1_ps(ds[b + 1]), _mm_set1_ps(ds[b])), a0);
+            if (b < blocks)  /* an odd last block: its codes in natural order */
+                a1 = _mm256_fmadd_ps(block_dot(q4_codes(row + b * 16), xr->q + b * 32),
+                                     _mm256_set1_ps(ds[b]), a1);
+            out[n] = reduce_add(_mm256_add_ps(a0, a1)) + off;
+        }
+    }
+    free(xp);
+    return 0;
+}
+
+/* Q8_0, one token: one block a step, its scale from the row's vector pass. */
+static void q8_matmul_one_token(const int8_t *codes, const uint16_t *scale, const act_rows *xr,
+                                float *out, long out_features, long in_features,
+                                int num_threads) {
+    const long blocks = in_features / 32;
+#pragma omp parallel num_threads(num_threads) if (out_features >= 64)
+    {
+        float ds[blocks + 8];
+#pragma omp for schedule(static)
+        for (long n = 0; n < out_features; n++) {
+            const int8_t *row = codes + n * in_features;
+            row_scales(scale + n * blocks, NULL, xr, blocks, ds);
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+            long b = 0;
+            for (; b + 1 < blocks; b += 2) {
+                a0 = _mm256_fmadd_ps(block_dot(q8_codes(row + b * 32), xr->q + b * 32),
+                                     _mm256_broadcast_ss(ds + b), a0);
+                a1 = _mm256_fmadd_ps(block_dot(q8_codes(row + b * 32 + 32), xr->q + b * 32 + 32),
+                                     _mm256_broadcast_ss(ds + b + 1), a1);
+            }
+            if (b < blocks)
+                a0 = _mm256_fmadd_ps(block_dot(q8_codes(row + b * 32), xr->q + b * 32),
+                                     _mm256_broadcast_ss(ds + b), a0);
+            out[n] = reduce_add(_mm256_add_ps(a0, a1));
+        }
+    }
+}
+
 int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes,
                       const uint16_t *scale, const uint16_t *min, float *out, long out_stride,
                       long tokens, long out_features, long in_features, int num_threads) {
@@ -156,17 +273,23 @@ int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes,
     if (tokens < 1 || tokens > MAX_TOKENS ||
         quantize_rows(x, x_stride, tokens, in_features, &xr) != 0)
         return -1;
+    int status = 0;
+    if (tokens == 1) {
+        status = q4_matmul_one_token(codes, scale, min, &xr, out, out_features, in_features,
+                                     num_threads);
+    } else {
 #define Q4_CODES(b) q4_codes(row + (b) * 16)
 #define MIN_TERM(sum, b) (h2f(m[b]) * (sum))
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (out_features >= 64)
-    for (long n = 0; n < out_features; n++) {
-        const uint8_t *row = codes + n * (in_features / 2);
-        const uint16_t *d = scale + n * blocks, *m = min + n * blocks;
-        ROW(Q4_CODES, MIN_TERM);
+        for (long n = 0; n < out_features; n++) {
+            const uint8_t *row = codes + n * (in_features / 2);
+            const uint16_t *d = scale + n * blocks, *m = min + n * blocks;
+            ROW(Q4_CODES, MIN_TERM);
+        }
     }
     free(xr.q);
     free(xr.d);
-    return 0;
+    return status;
 }
 
 int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes,
@@ -177,13 +300,17 @@ int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes,
     if (tokens < 1 || tokens > MAX_TOKENS ||
         quantize_rows(x, x_stride, tokens, in_features, &xr) != 0)
         return -1;
+    if (tokens == 1) {
+        q8_matmul_one_token(codes, scale, &xr, out, out_features, in_features, num_threads);
+    } else {
 #define Q8_CODES(b) q8_codes(row + (b) * 32)
 #define NO_TERM(sum, b) 0.0f
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (out_features >= 64)
-    for (long n = 0; n < out_features; n++) {
-        const int8_t *row = codes + n * in_features;
-        const uint16_t *d = scale + n * blocks;
-        ROW(Q8_CODES, NO_TERM);
+        for (long n = 0; n < out_features; n++) {
+            const int8_t *row = codes + n * in_features;
+            const uint16_t *d = scale + n * blocks;
+            ROW(Q8_CODES, NO_TERM);
+        }
     }
     free(xr.q);
     free(xr.d);
