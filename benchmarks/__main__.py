@@ -19,6 +19,7 @@ from benchmarks import (
     knobs_cli,
     lora_cli,
     matmul_cli,
+    one_stream_cli,
     precision_cli,
     preemption_cli,
     profile_cli,
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     tp_cli.add_parser(commands)
     attention_cli.add_parser(commands)
     matmul_cli.add_parser(commands)
+    one_stream_cli.add_parser(commands)
     chaos_cli.add_parser(commands)
     router_cpu_cli.add_parser(commands)
     grammar_cli.add_parser(commands)
