@@ -245,3 +245,35 @@ def test_paged_decode_declines_groups_beyond_its_limit():
     query, key_cache, value_cache, tables = paged_case(gen, 16, heads, 1, 4, [3])
     assert cpu_attention.paged_decode(query, key_cache, value_cache, tables,
                                       torch.tensor([3]), 0.25) is None
+
+
+@needs_paged_decode
+@pytest.mark.parametrize("case", ["whole", "window", "prior"])
+def test_one_long_decode_split_by_keys_across_threads_equals_attention(case):
+    """One decode with few kv heads (SmolLM2's 9/3) has fewer items than threads can share:
+    the AVX2 set splits its keys in one range a thread and merges the parts by their
+    log-sum-exps (the prior part riding with the first). Every case equals attention over all
+    the keys, whichever set runs."""
+    gen = torch.Generator().manual_seed(21)
+    heads, kv_heads, hd, bs, n = 9, 3, 64, 16, 1000
+    query, key_cache, value_cache, tables = paged_case(gen, hd, heads, kv_heads, bs, [n])
+    first = 300 if case == "window" else 0
+    k, v = gather(key_cache, tables[0], first, n), gather(value_cache, tables[0], first, n)
+    prior = None
+    if case == "prior":
+        head_k = torch.randn(50, kv_heads, hd, generator=gen)
+        head_v = torch.randn(50, kv_heads, hd, generator=gen)
+        prior_out, prior_lse = reference(query, head_k, head_v, 0.125, None)
+        prior = (prior_out.float(), prior_lse.float())
+        k, v = torch.cat([head_k, k]), torch.cat([head_v, v])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        got = cpu_attention.paged_decode(
+            query, key_cache, value_cache, tables, torch.tensor([n]), 0.125,
+            starts=torch.tensor([first]) if case == "window" else None, prior=prior)
+    finally:
+        torch.set_num_threads(threads)
+    assert got is not None
+    want, _ = reference(query, k, v, 0.125, None)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=1e-5)

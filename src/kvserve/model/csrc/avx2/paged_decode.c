@@ -8,11 +8,14 @@
  * into q), starting from the prior softmax part when there is one. Per chunk and query head,
  * the scores go eight keys at a time (one accumulator a key, summed by one transpose) and the
  * output row stays in registers across the chunk's values, so no per-key horizontal sum or
- * store bounds the loop. Returns 0; -1 for a head dim
- * that is not a multiple of 16 up to MAX_HD, or a group over MAX_GROUP. */
+ * store bounds the loop. With fewer items than two a thread (one sequence: its few kv heads),
+ * each decode's keys are split in one range a thread instead (`decode_split`), so both cores
+ * read the cache. Returns 0; -1 for a head dim that is not a multiple of 16 up to MAX_HD, or a
+ * group over MAX_GROUP; -2 when the split's scratch cannot be allocated. */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "../paged_decode.h"
@@ -22,6 +25,7 @@
 #define MAX_HD 128
 #define DCH 64 /* keys per chunk of a decode's online softmax */
 #define PARALLEL_MIN_WORK (1L << 20) /* multiply-adds below which a call runs on one thread */
+#define SPLIT_MIN_WORK (1L << 16) /* ... below which few items are not split by keys */
 
 /* One chunk of a row's online softmax, in base 2: row[0, n_pad) holds scores (-inf past the
  * chunk's keys; n_pad a multiple of 8), which become 2^(score - new max). Updates the running
@@ -117,8 +121,13 @@ static inline __attribute__((always_inline)) void chunk_head_values(
 }
 
 /* Always inlined, so each caller's constant bf16 yields a loop of its own. */
+/* Decode i's kv head kvh over positions [start, end) (with the prior part when `prior`): its
+ * group's normalized outputs at out (head-major, hd each) and, when lse is not NULL, each
+ * head's log-sum-exp (natural log) there. */
 static inline __attribute__((always_inline)) void decode_item(const struct decode_args *a,
-                                                              long i, int kvh, int bf16) {
+                                                              long i, int kvh, long start,
+                                                              long end, int prior, float *out,
+                                                              float *lse, int bf16) {
     const int hd = a->head_dim, nv = hd / 8, group = a->num_heads / a->num_kv_heads;
     float qv[MAX_GROUP * MAX_HD] __attribute__((aligned(32)));
     float o[MAX_GROUP * MAX_HD] __attribute__((aligned(32)));
@@ -130,7 +139,7 @@ static inline __attribute__((always_inline)) void decode_item(const struct decod
         const int head = kvh * group + r;
         const float *src = a->q + i * a->q_stride_t + head * a->q_stride_h;
         for (int d = 0; d < hd; d++) qv[r * hd + d] = src[d] * qscale;
-        if (a->prior_out) {  /* the prior part enters as one key: score lse, value its output */
+        if (prior) {  /* the prior part enters as one key: score lse, value its output */
             memcpy(o + r * hd, a->prior_out + (i * a->num_heads + head) * hd, sizeof(float) * hd);
             m[r] = a->prior_lse[i * a->num_heads + head] * (float)M_LOG2E;
             l[r] = 1.0f;
@@ -141,7 +150,6 @@ static inline __attribute__((always_inline)) void decode_item(const struct decod
         }
     }
     const int64_t *table = a->tables + i * a->table_stride;
-    const long start = a->starts ? a->starts[i] : 0, end = a->ends[i];
     const long row_stride = (long)a->num_kv_heads * hd;  /* between positions in a block */
     for (long p0 = start; p0 < end; p0 += DCH) {
         const int n = (int)(end - p0 < DCH ? end - p0 : DCH);
@@ -161,10 +169,64 @@ static inline __attribute__((always_inline)) void decode_item(const struct decod
     }
     for (int r = 0; r < group; r++) {
         const int head = kvh * group + r;
-        float *dst = a->out + (i * a->num_heads + head) * hd;
+        float *dst = out + (long)r * hd;
         const float inv = 1.0f / l[r];
         for (int d = 0; d < hd; d++) dst[d] = o[r * hd + d] * inv;
+        if (lse) lse[r] = (m[r] + log2f(l[r])) * (float)M_LN2;
     }
+}
+
+/* Few (decode, kv head) items, as at one sequence: each decode's keys are split in `parts`
+ * contiguous ranges, one item each, so every thread reads its share of the cache; the parts'
+ * outputs are then merged by their log-sum-exps (the prior part rides with the first). */
+static int decode_split(const struct decode_args *a, int parts, int threads) {
+    const int hd = a->head_dim, group = a->num_heads / a->num_kv_heads;
+    const long per_part = (long)a->num_heads * hd;
+    float *part_out = malloc(sizeof(float) * (size_t)(a->num_decodes * parts * per_part));
+    float *part_lse = malloc(sizeof(float) * (size_t)(a->num_decodes * parts * a->num_heads));
+    if (!part_out || !part_lse) {
+        free(part_out);
+        free(part_lse);
+        return -2;
+    }
+    const long items = a->num_decodes * a->num_kv_heads * parts;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (long item = 0; item < items; item++) {
+        const long i = item / (a->num_kv_heads * parts);
+        const int kvh = (int)(item / parts % a->num_kv_heads), p = (int)(item % parts);
+        const long s0 = a->starts ? a->starts[i] : 0, len = a->ends[i] - s0;
+        const long lo = s0 + len * p / parts, hi = s0 + len * (p + 1) / parts;
+        const long at = (i * parts + p) * a->num_heads + (long)kvh * group;
+        if (hi <= lo && !(p == 0 && a->prior_out)) {  /* an empty part: weight 0 */
+            for (int r = 0; r < group; r++) part_lse[at + r] = -INFINITY;
+            continue;
+        }
+        if (a->kv_bf16)
+            decode_item(a, i, kvh, lo, hi, p == 0 && a->prior_out, part_out + at * hd,
+                        part_lse + at, 1);
+        else
+            decode_item(a, i, kvh, lo, hi, p == 0 && a->prior_out, part_out + at * hd,
+                        part_lse + at, 0);
+    }
+    for (long i = 0; i < a->num_decodes; i++)
+        for (int h = 0; h < a->num_heads; h++) {
+            float top = -INFINITY, total = 0.0f, w[64];
+            for (int p = 0; p < parts; p++)
+                top = fmaxf(top, part_lse[(i * parts + p) * a->num_heads + h]);
+            for (int p = 0; p < parts; p++)
+                total += w[p] = expf(part_lse[(i * parts + p) * a->num_heads + h] - top);
+            float *dst = a->out + (i * a->num_heads + h) * hd;
+            for (int d = 0; d < hd; d++) {
+                float acc = 0.0f;
+                for (int p = 0; p < parts; p++)
+                    if (w[p] > 0.0f)
+                        acc += w[p] * part_out[((i * parts + p) * a->num_heads + h) * hd + d];
+                dst[d] = acc / total;
+            }
+        }
+    free(part_out);
+    free(part_lse);
+    return 0;
 }
 
 int kvserve_paged_decode(const struct decode_args *a) {
@@ -176,15 +238,21 @@ int kvserve_paged_decode(const struct decode_args *a) {
     long keys = 0;
     for (long i = 0; i < a->num_decodes; i++) keys += a->ends[i] - (a->starts ? a->starts[i] : 0);
     /* Small calls run on the calling thread: waking the pool costs more. */
+    if (a->num_threads > 1 && items < 2L * a->num_threads && a->num_threads <= 64 &&
+        keys * a->num_heads * hd >= SPLIT_MIN_WORK)
+        return decode_split(a, a->num_threads, a->num_threads);
     const int threads = keys * a->num_heads * hd >= PARALLEL_MIN_WORK ? a->num_threads : 1;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
     for (long item = 0; item < items; item++) {
         const long i = item / a->num_kv_heads;
         const int kvh = (int)(item % a->num_kv_heads);
+        const long start = a->starts ? a->starts[i] : 0;
+        float *out = a->out + (i * a->num_heads + (long)kvh * (a->num_heads / a->num_kv_heads))
+                                  * hd;
         if (a->kv_bf16)
-            decode_item(a, i, kvh, 1);
+            decode_item(a, i, kvh, start, a->ends[i], a->prior_out != NULL, out, NULL, 1);
         else
-            decode_item(a, i, kvh, 0);
+            decode_item(a, i, kvh, start, a->ends[i], a->prior_out != NULL, out, NULL, 0);
     }
     return 0;
 }
