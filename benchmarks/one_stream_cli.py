@@ -22,6 +22,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 ROWS, K = 30 * 3072, 576  # SmolLM2-135M's gate/up rows in 30 layers, its hidden size
@@ -69,7 +70,7 @@ def block_matmuls(repeats: int) -> dict[str, dict[str, float]]:
         layer = BlockKernelLinear(quantize(torch.randn(ROWS, K, generator=gen) * 0.05,
                                            ggml_type), None)
         nbytes = ROWS * K // 32 * block_bytes
-        median, best = _timed(lambda layer=layer: layer(x), repeats)
+        median, best = _timed(partial(layer, x), repeats)
         out[ggml_type] = {"mb": nbytes / 1e6, "ms": median * 1e3, "best_ms": best * 1e3,
                           "gb_s": nbytes / median / 1e9}
     return out
