@@ -120,10 +120,10 @@ static inline __attribute__((always_inline)) void chunk_head_values(
     }
 }
 
-/* Always inlined, so each caller's constant bf16 yields a loop of its own. */
 /* Decode i's kv head kvh over positions [start, end) (with the prior part when `prior`): its
  * group's normalized outputs at out (head-major, hd each) and, when lse is not NULL, each
- * head's log-sum-exp (natural log) there. */
+ * head's log-sum-exp (natural log) there. Always inlined, so each caller's constant bf16
+ * yields a loop of its own. */
 static inline __attribute__((always_inline)) void decode_item(const struct decode_args *a,
                                                               long i, int kvh, long start,
                                                               long end, int prior, float *out,
@@ -131,7 +131,7 @@ static inline __attribute__((always_inline)) void decode_item(const struct decod
     const int hd = a->head_dim, nv = hd / 8, group = a->num_heads / a->num_kv_heads;
     float qv[MAX_GROUP * MAX_HD] __attribute__((aligned(32)));
     float o[MAX_GROUP * MAX_HD] __attribute__((aligned(32)));
-    float sc[MAX_GROUP * DCH] __attribute__((aligned(32)));
+    float sc[DCH] __attribute__((aligned(32)));  /* one head's chunk of scores at a time */
     long rows[DCH];  /* the chunk's keys: element offsets of this kv head's row in a cache */
     float m[MAX_GROUP], l[MAX_GROUP];
     const float qscale = a->scale * (float)M_LOG2E;
@@ -157,18 +157,16 @@ static inline __attribute__((always_inline)) void decode_item(const struct decod
         for (int j = 0; j < n; j++)
             rows[j] = paged_offset(table, p0 + j, a->block_size, row_stride) + kvh * hd;
         for (int r = 0; r < group; r++) {
-            float *row = sc + r * DCH;
-            chunk_scores(qv + r * hd, a->k_cache, rows, n, nv, bf16, row);
-            for (int j = n; j < n_pad; j++) row[j] = -INFINITY;
-            const __m256 av = _mm256_set1_ps(online_softmax_block(row, n_pad, m + r, l + r));
+            chunk_scores(qv + r * hd, a->k_cache, rows, n, nv, bf16, sc);
+            for (int j = n; j < n_pad; j++) sc[j] = -INFINITY;
+            const __m256 av = _mm256_set1_ps(online_softmax_block(sc, n_pad, m + r, l + r));
             for (int x = 0; x < nv; x++)
                 _mm256_store_ps(o + r * hd + 8 * x,
                                 _mm256_mul_ps(_mm256_load_ps(o + r * hd + 8 * x), av));
-            chunk_head_values(o + r * hd, row, a->v_cache, rows, n, nv, bf16);
+            chunk_head_values(o + r * hd, sc, a->v_cache, rows, n, nv, bf16);
         }
     }
     for (int r = 0; r < group; r++) {
-        const int head = kvh * group + r;
         float *dst = out + (long)r * hd;
         const float inv = 1.0f / l[r];
         for (int d = 0; d < hd; d++) dst[d] = o[r * hd + d] * inv;
@@ -179,7 +177,7 @@ static inline __attribute__((always_inline)) void decode_item(const struct decod
 /* Few (decode, kv head) items, as at one sequence: each decode's keys are split in `parts`
  * contiguous ranges, one item each, so every thread reads its share of the cache; the parts'
  * outputs are then merged by their log-sum-exps (the prior part rides with the first). */
-static int decode_split(const struct decode_args *a, int parts, int threads) {
+static int decode_split(const struct decode_args *a, int parts) {
     const int hd = a->head_dim, group = a->num_heads / a->num_kv_heads;
     const long per_part = (long)a->num_heads * hd;
     float *part_out = malloc(sizeof(float) * (size_t)(a->num_decodes * parts * per_part));
@@ -190,7 +188,7 @@ static int decode_split(const struct decode_args *a, int parts, int threads) {
         return -2;
     }
     const long items = a->num_decodes * a->num_kv_heads * parts;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(parts)
     for (long item = 0; item < items; item++) {
         const long i = item / (a->num_kv_heads * parts);
         const int kvh = (int)(item / parts % a->num_kv_heads), p = (int)(item % parts);
@@ -237,10 +235,10 @@ int kvserve_paged_decode(const struct decode_args *a) {
     const long items = a->num_decodes * a->num_kv_heads;
     long keys = 0;
     for (long i = 0; i < a->num_decodes; i++) keys += a->ends[i] - (a->starts ? a->starts[i] : 0);
-    /* Small calls run on the calling thread: waking the pool costs more. */
     if (a->num_threads > 1 && items < 2L * a->num_threads && a->num_threads <= 64 &&
         keys * a->num_heads * hd >= SPLIT_MIN_WORK)
-        return decode_split(a, a->num_threads, a->num_threads);
+        return decode_split(a, a->num_threads);  /* one key range a thread */
+    /* Small calls run on the calling thread: waking the pool costs more. */
     const int threads = keys * a->num_heads * hd >= PARALLEL_MIN_WORK ? a->num_threads : 1;
 #pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
     for (long item = 0; item < items; item++) {

@@ -182,6 +182,11 @@ static inline __m256 q4_pair_dot(const uint8_t *row, const int16_t *xp, long b) 
     return _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
 }
 
+/* ds[b] in lanes 0-3, ds[b + 1] in lanes 4-7. */
+static inline __m256 pair_scale(const float *ds, long b) {
+    return _mm256_set_m128(_mm_set1_ps(ds[b + 1]), _mm_set1_ps(ds[b]));
+}
+
 /* ds[b] = d_b * dx_b for a row's blocks; returns sum_b m_b * S_b (0 when m is NULL: Q8). */
 static float row_scales(const uint16_t *d, const uint16_t *m, const act_rows *xr, long blocks,
                         float *ds) {
@@ -219,14 +224,11 @@ static int q4_matmul_one_token(const uint8_t *codes, const uint16_t *scale,
             __m256 a0 = _mm256_setzero_ps(), a1 = a0;
             long b = 0;
             for (; b + 3 < blocks; b += 4) {  /* two pairs an iteration: two accumulators */
-                a0 = _mm256_fmadd_ps(q4_pair_dot(row, xp, b), _mm256_set_m128(
-                    _mm_set1_ps(ds[b + 1]), _mm_set1_ps(ds[b])), a0);
-                a1 = _mm256_fmadd_ps(q4_pair_dot(row, xp, b + 2), _mm256_set_m128(
-                    _mm_set1_ps(ds[b + 3]), _mm_set1_ps(ds[b + 2])), a1);
+                a0 = _mm256_fmadd_ps(q4_pair_dot(row, xp, b), pair_scale(ds, b), a0);
+                a1 = _mm256_fmadd_ps(q4_pair_dot(row, xp, b + 2), pair_scale(ds, b + 2), a1);
             }
             for (; b + 1 < blocks; b += 2)
-                a0 = _mm256_fmadd_ps(q4_pair_dot(row, xp, b), _mm256_set_m128(
-                    _mm_set1_ps(ds[b + 1]), _mm_set1_ps(ds[b])), a0);
+                a0 = _mm256_fmadd_ps(q4_pair_dot(row, xp, b), pair_scale(ds, b), a0);
             if (b < blocks)  /* an odd last block: its codes in natural order */
                 a1 = _mm256_fmadd_ps(block_dot(q4_codes(row + b * 16), xr->q + b * 32),
                                      _mm256_set1_ps(ds[b]), a1);
