@@ -154,7 +154,11 @@ class DecoderModel(nn.Module):
                  device: Device) -> None:
         super().__init__()
         kw: FactoryKwargs = {"dtype": dtype, "device": device}
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **kw)
+        # An explicit weight skips nn.Embedding's random init, whose normal_ (even on the meta
+        # device) imports torch._dynamo: ~2 s of every process start, for values never used.
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size, **kw), **kw)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, **kw) for i in range(config.num_hidden_layers)
         )

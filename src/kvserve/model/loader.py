@@ -77,7 +77,7 @@ def load_model(model: str | os.PathLike[str], *, device: torch.device | str = "c
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else config.dtype
     network = LlamaForCausalLM(shard_config(config, shard), dtype=dtype, device="meta")
-    network.to_empty(device=device)
+    _materialize(network, device)
     network.tie_weights()
     if gguf_file is not None:
         load_gguf_weights(network, gguf_file, config, shard)
@@ -92,6 +92,19 @@ def load_model(model: str | os.PathLike[str], *, device: torch.device | str = "c
     network.fuse_projections()
     return LoadedModel(path=path, config=config, model=network, eos_token_ids=eos, dtype=dtype,
                        device=device, shard=shard)
+
+
+def _materialize(network: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter and buffer of `network` uninitialized storage on `device`.
+
+    nn.Module.to_empty does the same through empty_like, whose meta path imports torch's
+    symbolic-shapes machinery (sympy): ~1 s of every process start; torch.empty does not."""
+    for module in network.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, nn.Parameter(
+                torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad))
+        for name, b in list(module.named_buffers(recurse=False)):
+            setattr(module, name, torch.empty(b.shape, dtype=b.dtype, device=device))
 
 
 def read_model_config(path: Path, hf_config_path: str | os.PathLike[str] | None = None
