@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,24 @@ import pytest
 # Public traces the repository does not ship, beside the clone by default (docs/traces.md).
 SHARED = Path(os.environ.get("KVSERVE_SHARED")
               or Path(__file__).resolve().parents[1].parent / "shared")
+
+
+def _split_cores_over_xdist_workers() -> None:
+    """Under pytest-xdist, each worker (and every server it starts) gets its share of the cores
+    as OMP_NUM_THREADS, which torch and kvserve's --num-threads default honour. Two workers of
+    two OpenMP threads each on two cores spin at each other's barriers: measured on SmolLM2's
+    40 chats, 25 s a worker against 11 s with one thread each (docs/operations.md)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                          else os.cpu_count() or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    if "torch" in sys.modules:  # imported before this file: set its pool too
+        sys.modules["torch"].set_num_threads(threads)
+
+
+_split_cores_over_xdist_workers()
 
 
 def shared_file(relative: str) -> Path:

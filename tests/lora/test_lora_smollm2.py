@@ -29,7 +29,7 @@ def test_smollm2_with_four_adapters_and_the_base_in_one_batch_matches_peft(tmp_p
     adapters = [write_peft_adapter(SMOLLM2, tmp_path / f"a{i}", rank=r, seed=7 + i, scale=0.05)
                 for i, r in enumerate(ranks)]
     loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(adapters)] + [None]
-    llm = LLM(str(SMOLLM2), enable_lora=True, max_loras=4, max_lora_rank=64, num_threads=2,
+    llm = LLM(str(SMOLLM2), enable_lora=True, max_loras=4, max_lora_rank=64,
               kv_cache_memory_bytes=64 << 20)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
     assert llm.engine.core.scheduler.num_steps == GREEDY.max_tokens  # one batch throughout

@@ -78,7 +78,7 @@ class EngineArgs:
     seed: int = 0
     audit_interval_steps: int = 0
     idle_audit_interval_s: float = 60.0
-    num_threads: int | None = None  # torch intra-op threads; None: the cores this process may use
+    num_threads: int | None = None  # torch intra-op threads; None: OMP_NUM_THREADS, else the usable cores
     served_model_name: str | None = None
     onednn_linear: bool = True
     quantization: str | None = None
@@ -192,9 +192,13 @@ class EngineArgs:
         return self.served_model_name or self.model or DEFAULT_MODEL_NAME
 
     def resolve_num_threads(self) -> int:
-        """Torch threads of one rank: explicit, else the usable cores split over the ranks."""
+        """Torch threads of one rank: explicit, else OMP_NUM_THREADS where the environment sets
+        it (as every OpenMP program honours it), else the usable cores split over the ranks."""
         if self.num_threads is not None:
             return max(1, self.num_threads)
+        from_env = os.environ.get("OMP_NUM_THREADS", "").strip()
+        if from_env.isdigit() and int(from_env) > 0:
+            return int(from_env)
         try:
             cores = len(os.sched_getaffinity(0))
         except AttributeError:  # not on Linux

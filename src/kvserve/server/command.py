@@ -94,7 +94,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="the idle check runs on every drain; the full audit on a drain at most "
                         "once per this many seconds (0: on every drain)")
     p.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads per rank (default: the usable cores / ranks)")
+                   help="torch threads per rank (default: OMP_NUM_THREADS where set, else the "
+                        "usable cores / ranks)")
     p.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int,
                    default=1, help="split the model over this many ranks, one process each "
                    "(gloo on CPU, NCCL on CUDA); rank 0 serves HTTP; under torchrun, its "
