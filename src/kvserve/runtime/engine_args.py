@@ -78,7 +78,7 @@ class EngineArgs:
     seed: int = 0
     audit_interval_steps: int = 0
     idle_audit_interval_s: float = 60.0
-    num_threads: int | None = None  # torch intra-op threads; None: OMP_NUM_THREADS, else the usable cores
+    num_threads: int | None = None  # torch threads; None: OMP_NUM_THREADS, else the usable cores
     served_model_name: str | None = None
     onednn_linear: bool = True
     quantization: str | None = None
