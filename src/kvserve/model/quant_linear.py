@@ -8,12 +8,13 @@ time by what this machine has:
    each block's dot product in integers: codes widened to int16 in registers, activations
    rounded to int16 per block of 32 (scale max|x| / 32767: 256 times finer than ggml's int8,
    which moved greedy tokens on real chats), the blocks' own fp16 weight scales read as the
-   file holds them, float32 accumulation. From 16 rows on
-   AVX512-VNNI CPUs (`kernels_take_many_rows`), csrc/quant_gemm.c widens each group of 32
-   columns once per call and runs every row against it with vpdpwssd: the same numerics,
-   1.6-2.3x the float32 path below at prefill sizes (docs/benchmarks.md). Elsewhere batches of
-   more than `KERNEL_MAX_TOKENS` rows (prefill) decode the whole weight to float32 for the call
-   and run a dense matmul, which reuses each decoded weight for every row.
+   file holds them, float32 accumulation. From 16 rows (`kernels_take_many_rows`) the
+   many-row kernels widen each group of columns once per call and run every row against it
+   (csrc/quant_gemm.c with AVX512-VNNI's vpdpwssd, csrc/avx2/quant_gemm.c with vpmaddwd): the
+   same numerics, faster than the float32 path below at prefill sizes (docs/benchmarks.md).
+   An AVX-512 CPU without VNNI decodes the whole weight to float32 for calls of more than
+   `KERNEL_MAX_TOKENS` rows (prefill) and runs a dense matmul, which reuses each decoded
+   weight for every row.
 2. Where those kernels are off (no AVX2 or no C compiler): PyTorch's groupwise int4 CPU op
    (`_weight_int4pack_mm_for_cpu`, group 32), vectorised by ATen for the CPU it finds. Its
    w = (q - 8) * scale + zero holds Q4_0 as (d, 0) and Q4_1 as (d, m + 8d) exactly; Q8_0 is
@@ -56,14 +57,15 @@ __all__ = [
 _LOG = logging.getLogger(__name__)
 KERNELS = ("auto", "torch_int4", "portable")
 KERNEL_MAX_TOKENS = 64  # rows per call every C kernel set serves; more decode the weight whole
+# where no many-row kernel is built
 GEMM_MAX_TOKENS = 4096  # rows per call where the many-row kernel is built (MAX_TOKENS in C)
 
 
 @functools.cache
 def kernels_take_many_rows() -> bool:
     """Whether the block kernels built here run calls of any row count up to GEMM_MAX_TOKENS
-    in the blocks (csrc/quant_gemm.c, on AVX512-VNNI): then prefill keeps the int16 numerics
-    instead of decoding the weight whole to float32."""
+    in the blocks (a many-row kernel: AVX512-VNNI or AVX2): then prefill keeps the int16
+    numerics instead of decoding the weight whole to float32."""
     lib = cpu_kernels.library("quant")
     return lib is not None and lib.kvserve_quant_gemm_built() == 1
 

@@ -14,77 +14,18 @@
  * q_j xq_j. Products fit int32: |q| <= 127, |xq| <= 32767, 32 of them.
  *
  * in_features must be a multiple of 32 (the caller checks); 1 <= tokens <= MAX_TOKENS. Output
- * rows are split over num_threads OpenMP threads. Returns 0, or -1 when tokens is out of range
- * or the activation scratch could not be allocated. */
+ * rows are split over num_threads OpenMP threads; from QGEMM_MIN_TOKENS rows the call runs
+ * quant_gemm.c (the same numerics, another summation order). Returns 0, or -1 when tokens is
+ * out of range or the activation or panel scratch could not be allocated. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "vec_math.h"
+#include "quant_rows.h"
 
 #define TILE_T 4        /* tokens a loaded weight block serves at once */
 #define MAX_TOKENS 4096 /* a sanity bound on one call's rows */
-
-/* Each token's activations: int16 codes (32 a block), and per block the scale and exact sum. */
-typedef struct { int16_t *q; float *d; float *sum; } act_rows;
-
-/* A block's fp16 scale or min (GGUF's own, as kept) to float32: exact. */
-static inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
-
-static int quantize_rows(const float *x, long x_stride, long tokens, long in_features,
-                         act_rows *r) {
-    const long blocks = in_features / 32;
-    r->q = malloc(sizeof(int16_t) * (size_t)(tokens * in_features));
-    r->d = malloc(sizeof(float) * (size_t)(2 * tokens * blocks));
-    if (r->q == NULL || r->d == NULL) {
-        free(r->q);
-        free(r->d);
-        return -1;
-    }
-    r->sum = r->d + tokens * blocks;
-    for (long t = 0; t < tokens; t++) {
-        for (long b = 0; b < blocks; b++) {
-            const float *xb = x + t * x_stride + b * 32;
-            __m256 amax = _mm256_setzero_ps(), sum = amax;
-            const __m256 sign = _mm256_set1_ps(-0.0f);
-            for (int j = 0; j < 32; j += 8) {
-                const __m256 v = _mm256_loadu_ps(xb + j);
-                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v));
-                sum = _mm256_add_ps(sum, v);
-            }
-            const float m = reduce_max(amax);
-            const __m256 inv = _mm256_set1_ps(m > 0.0f ? 32767.0f / m : 0.0f);
-            int16_t *q = r->q + t * in_features + b * 32;
-            for (int j = 0; j < 32; j += 16) {  /* round to nearest even, pack to int16 */
-                const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j), inv));
-                const __m256i c = _mm256_cvtps_epi32(
-                    _mm256_mul_ps(_mm256_loadu_ps(xb + j + 8), inv));
-                const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, c), 0xD8);
-                _mm256_storeu_si256((__m256i *)(q + j), packed);
-            }
-            r->d[t * blocks + b] = m / 32767.0f;
-            r->sum[t * blocks + b] = reduce_add(sum);
-        }
-    }
-    return 0;
-}
-
-/* A block's 32 weight codes as int16: weights 0..15 and 16..31. */
-typedef struct { __m256i lo, hi; } codes16;
-
-/* Q4: weight j in the low nibble of byte j, weight j + 16 in its high nibble. */
-static inline codes16 q4_codes(const uint8_t *codes) {
-    const __m128i q = _mm_loadu_si128((const __m128i *)codes), mask = _mm_set1_epi8(0x0F);
-    codes16 w = {_mm256_cvtepu8_epi16(_mm_and_si128(q, mask)),
-                 _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), mask))};
-    return w;
-}
-
-static inline codes16 q8_codes(const int8_t *codes) {
-    codes16 w = {_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)codes)),
-                 _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + 16)))};
-    return w;
-}
+#define QGEMM_MIN_TOKENS 16 /* rows from which quant_gemm.c's panels pay (docs/benchmarks.md) */
 
 /* sum_j w_j xq_j over one block (xq: the token's 32 int16 codes), as 8 float partial sums. */
 static inline __m256 block_dot(codes16 w, const int16_t *xq) {
@@ -276,7 +217,10 @@ int kvserve_q4_matmul(const float *x, long x_stride, const uint8_t *codes,
         quantize_rows(x, x_stride, tokens, in_features, &xr) != 0)
         return -1;
     int status = 0;
-    if (tokens == 1) {
+    if (tokens >= QGEMM_MIN_TOKENS) {
+        status = qgemm(&xr, codes, scale, min, out, out_stride, tokens, out_features,
+                       in_features, num_threads);
+    } else if (tokens == 1) {
         status = q4_matmul_one_token(codes, scale, min, &xr, out, out_features, in_features,
                                      num_threads);
     } else {
@@ -302,7 +246,11 @@ int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes,
     if (tokens < 1 || tokens > MAX_TOKENS ||
         quantize_rows(x, x_stride, tokens, in_features, &xr) != 0)
         return -1;
-    if (tokens == 1) {
+    int status = 0;
+    if (tokens >= QGEMM_MIN_TOKENS) {
+        status = qgemm(&xr, codes, scale, NULL, out, out_stride, tokens, out_features,
+                       in_features, num_threads);
+    } else if (tokens == 1) {
         q8_matmul_one_token(codes, scale, &xr, out, out_features, in_features, num_threads);
     } else {
 #define Q8_CODES(b) q8_codes(row + (b) * 32)
@@ -316,7 +264,7 @@ int kvserve_q8_matmul(const float *x, long x_stride, const int8_t *codes,
     }
     free(xr.q);
     free(xr.d);
-    return 0;
+    return status;
 }
 
 /* The weights in float32: ../quant_matmul.c's kvserve_q4_dequantize / kvserve_q8_dequantize at
@@ -360,6 +308,5 @@ int kvserve_q8_dequantize(const int8_t *codes, const uint16_t *scale, float *out
     return 0;
 }
 
-/* 0: the AVX2 set has no many-row kernel (../quant_gemm.c), so the caller decodes the weight
- * whole for prefill. */
-int kvserve_quant_gemm_built(void) { return 0; }
+/* 1: calls of QGEMM_MIN_TOKENS rows or more run quant_gemm.c's panels. */
+int kvserve_quant_gemm_built(void) { return 1; }
