@@ -131,18 +131,22 @@ def test_one_token_takes_every_block_whatever_their_count(ggml_type: str,
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
-def test_many_rows_keep_the_int16_numerics(ggml_type: str) -> None:
+@pytest.mark.parametrize("in_features", [32, 576])
+def test_many_rows_keep_the_int16_numerics(ggml_type: str, in_features: int) -> None:
     """From QGEMM_MIN_TOKENS (16) rows the many-row kernel widens each group of columns (32 in
     csrc/quant_gemm.c, 16 in csrc/avx2/quant_gemm.c) once and runs every row against it: the
     last row count below it, row counts ending in partial tiles (6 rows with AVX512-VNNI, 3
-    with AVX2), a prefill past KERNEL_MAX_TOKENS, and a last group of 8 columns (72)."""
+    with AVX2), a prefill past KERNEL_MAX_TOKENS, one past two of the AVX2 kernel's 192-row
+    chunks (the whole weight widened first), one block or 18, and a last group of 8 columns
+    (72)."""
     if not kernels_take_many_rows():
         pytest.skip("the many-row block kernels are built for AVX512-VNNI and AVX2 CPUs")
-    layer = make_quantized_linear(_weight(ggml_type, 72, 576, seed=5), None)
+    layer = make_quantized_linear(_weight(ggml_type, 72, in_features, seed=5), None)
     assert isinstance(layer, BlockKernelLinear)
     gen = torch.Generator().manual_seed(6)
-    for tokens in (15, 16, 17, 23, KERNEL_MAX_TOKENS + 35):
-        x = torch.randn(tokens, 576, generator=gen) * torch.rand(576, generator=gen)
+    for tokens in (15, 16, 17, 23, KERNEL_MAX_TOKENS + 35, 2 * 192 + 5):
+        x = (torch.randn(tokens, in_features, generator=gen)
+             * torch.rand(in_features, generator=gen))
         torch.testing.assert_close(layer(x).double(), _int16_kernel_reference(layer, x),
                                    rtol=1e-5, atol=1e-5)
 
