@@ -20,8 +20,11 @@ from tests.shared_kernels import cache_with_shared_kernels
 
 START_TIMEOUT_S = 120.0
 ADMIN_KEY = "ops-tests-admin-key"  # the workers' /debug/kv, which the doctor reads
+# 64 MiB of KV cache (a test's own --num-kv-blocks wins): zeroing the default GiB costs each
+# worker ~1 CPU-second at start.
 TINY_WORKER = ("--max-model-len", "256", "--num-threads", "1", "--block-size", "16",
-               "--drain-timeout", "1", "--admin-key", ADMIN_KEY)
+               "--drain-timeout", "1", "--admin-key", ADMIN_KEY,
+               "--kv-cache-memory-bytes", str(64 << 20))
 
 
 def wait_until(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
