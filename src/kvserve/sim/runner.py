@@ -6,6 +6,7 @@ perfectly; each process computes its own route keys. Results come back in task o
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import queue
 from collections.abc import Callable, Sequence
@@ -63,6 +64,20 @@ def _child(idx: int, task: SimTask, workload: Workload, done: Any, out: Any) -> 
         out.put((idx, None, f"{type(exc).__name__}: {exc}"))
 
 
+def _start_without_inherited_garbage(proc: Any) -> None:
+    """Fork `proc` so that it never collects the parent's objects. A forked child has only the
+    forking thread, and an object whose finalizer waits on another thread (a torch.distributed
+    process group left for the collector, as a tensor-parallel test leaves one) hangs the
+    child's first full collection: seen as a test that never ended. So the parent collects its
+    garbage first, where those threads run, and freezes the rest for the child."""
+    gc.collect()
+    gc.freeze()
+    try:
+        proc.start()
+    finally:
+        gc.unfreeze()
+
+
 def _run_forked(tasks: Sequence[SimTask], workload: Workload, jobs: int,
                 progress: TaskProgress | None) -> list[SimResult]:
     ctx = mp.get_context("fork")
@@ -77,7 +92,7 @@ def _run_forked(tasks: Sequence[SimTask], workload: Workload, jobs: int,
             while pending and len(running) < jobs:
                 idx = pending.pop(0)
                 proc = ctx.Process(target=_child, args=(idx, tasks[idx], workload, done, out))
-                proc.start()
+                _start_without_inherited_garbage(proc)
                 running[idx] = proc
             try:
                 idx, result, error = out.get(timeout=0.2)
