@@ -56,8 +56,9 @@ __all__ = [
 
 _LOG = logging.getLogger(__name__)
 KERNELS = ("auto", "torch_int4", "portable")
-KERNEL_MAX_TOKENS = 64  # rows per call every C kernel set serves; more decode the weight whole
-# where no many-row kernel is built
+# Rows per call every C kernel set serves; where no many-row kernel is built, more decode the
+# weight whole.
+KERNEL_MAX_TOKENS = 64
 GEMM_MAX_TOKENS = 4096  # rows per call where the many-row kernel is built (MAX_TOKENS in C)
 
 

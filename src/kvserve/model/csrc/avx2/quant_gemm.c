@@ -21,9 +21,7 @@
 
 #define GROUP 16 /* columns a panel holds: two registers of 8 */
 #define MR 3     /* rows a tile: 6 int32 and 6 float32 sums, 2 weights, 1 broadcast */
-#ifndef CHUNK
 #define CHUNK 192 /* rows whose int16 activations (<= 576 KB at K = 1536) a core keeps cached */
-#endif
 #define WHOLE_PANEL_BYTES ((size_t)64 << 20) /* above it (a 49k-row lm_head), panels per thread */
 
 #define INLINE static inline __attribute__((always_inline))
@@ -167,6 +165,15 @@ static void rows_against(const act_rows *xr, long t_begin, long t_end, const int
     }
 }
 
+/* One group's widened panel and its scales and mins, laid out from `base`. */
+typedef struct { int16_t *panel; float *ds, *ms; } group_slot;
+
+static inline group_slot slot_at(char *base, size_t panel_size, long blocks) {
+    float *ds = (float *)(base + panel_size);
+    group_slot s = {(int16_t *)base, ds, ds + blocks * GROUP};
+    return s;
+}
+
 int qgemm(const act_rows *xr, const void *codes, const uint16_t *scale, const uint16_t *min,
           float *out, long out_stride, long tokens, long out_features, long in_features,
           int num_threads) {
@@ -188,29 +195,27 @@ int qgemm(const act_rows *xr, const void *codes, const uint16_t *scale, const ui
         if (whole) {
 #pragma omp for schedule(static)
             for (long g = 0; g < groups; g++) {
-                char *mine = scratch + per_group * (size_t)g;
-                widen_group(codes, scale, min, g, out_features, in_features, (int16_t *)mine,
-                            (float *)(mine + panel_size),
-                            (float *)(mine + panel_size) + blocks * GROUP);
+                const group_slot s = slot_at(scratch + per_group * (size_t)g, panel_size, blocks);
+                widen_group(codes, scale, min, g, out_features, in_features, s.panel, s.ds,
+                            s.ms);
             }
             for (long c0 = 0; c0 < tokens; c0 += CHUNK) {
                 const long c1 = tokens - c0 < CHUNK ? tokens : c0 + CHUNK;
 #pragma omp for schedule(static) nowait
                 for (long g = 0; g < groups; g++) {
-                    const char *mine = scratch + per_group * (size_t)g;
-                    const float *ds = (const float *)(mine + panel_size);
-                    rows_against(xr, c0, c1, (const int16_t *)mine, ds, ds + blocks * GROUP,
-                                 blocks, in_features, out, out_stride, g, out_features, hm);
+                    const group_slot s = slot_at(scratch + per_group * (size_t)g, panel_size,
+                                                 blocks);
+                    rows_against(xr, c0, c1, s.panel, s.ds, s.ms, blocks, in_features, out,
+                                 out_stride, g, out_features, hm);
                 }
             }
         } else {
-            char *mine = scratch + per_group * (size_t)omp_get_thread_num();
-            int16_t *panel = (int16_t *)mine;
-            float *ds = (float *)(mine + panel_size), *ms = ds + blocks * GROUP;
+            const group_slot s = slot_at(scratch + per_group * (size_t)omp_get_thread_num(),
+                                         panel_size, blocks);
 #pragma omp for schedule(static)
             for (long g = 0; g < groups; g++) {
-                widen_group(codes, scale, min, g, out_features, in_features, panel, ds, ms);
-                rows_against(xr, 0, tokens, panel, ds, ms, blocks, in_features, out,
+                widen_group(codes, scale, min, g, out_features, in_features, s.panel, s.ds, s.ms);
+                rows_against(xr, 0, tokens, s.panel, s.ds, s.ms, blocks, in_features, out,
                              out_stride, g, out_features, hm);
             }
         }
