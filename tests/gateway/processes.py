@@ -16,6 +16,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.ports import free_port
+from tests.prefork import launch
 from tests.shared_kernels import cache_with_shared_kernels
 
 # Small enough to start in seconds and to run two of them on two cores.
@@ -50,8 +51,7 @@ class Process:
             env.pop(key, None)
         command = [sys.executable, "-m", "kvserve.cli", *argv, "--host", "127.0.0.1",
                    "--port", str(self.port)]
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.proc = launch(command, env, self.log_path)
 
     def log(self) -> str:
         return self.log_path.read_text(encoding="utf-8", errors="replace")

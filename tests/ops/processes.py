@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from tests.ports import free_port
+from tests.prefork import launch
 from tests.shared_kernels import cache_with_shared_kernels
 
 START_TIMEOUT_S = 120.0
@@ -53,8 +54,7 @@ class Server:
             env.pop(key, None)
         command = [sys.executable, "-m", module, *argv, "--host", "127.0.0.1",
                    "--port", str(self.port)]
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.proc = launch(command, env, self.log_path)
 
     def log(self) -> str:
         return self.log_path.read_text(encoding="utf-8", errors="replace")

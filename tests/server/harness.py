@@ -14,6 +14,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.ports import free_port
+from tests.prefork import launch
 from tests.shared_kernels import cache_with_shared_kernels
 
 # Small enough to start in seconds and run on two cores; the same for every server here.
@@ -52,8 +53,7 @@ class ServerProcess:
             argv += ["--api-key", api_key]
         if admin_key is not None and command is None:  # a given line runs as it is
             argv += ["--admin-key", admin_key]
-        with self.log_path.open("wb") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.proc = launch(argv, env, self.log_path)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     def log(self) -> str:
