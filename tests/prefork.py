@@ -204,6 +204,7 @@ def _zygote_main() -> None:
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
     os.dup2(null, 1)  # a stray print in an import must not corrupt the replies
+    os.close(null)
     # numpy's OpenBLAS starts its thread pool at import; one thread keeps the zygote forkable
     # (a forked worker's numpy BLAS then runs on one thread; the engine's math is torch's).
     os.environ["OPENBLAS_NUM_THREADS"] = "1"
