@@ -5,7 +5,9 @@ Contract: `launch(argv, env, log_path)` starts `argv` with stdout and stderr to 
 `[sys.executable, "-m", "kvserve.cli", "serve", ...]`, a `ForkedProcess` with the same
 `pid`, `poll`, `wait`, `send_signal`, `terminate`, `kill` and `returncode`. A forked worker
 is a fresh process running `kvserve.cli.main(argv[3:])` with `env` as its environment, its
-own pid (signals reach it directly) and Popen's exit codes (-N when killed by signal N).
+own pid (signals reach it directly) and Popen's exit codes (-N when killed by signal N). Only
+its command line differs: `ps` shows the zygote's (`python tests/prefork.py`), so find a
+worker by its pid, never by `pgrep -f`.
 
 Why: a tiny worker spends three quarters of its start-up CPU importing torch, the engine and
 the HTTP app (~3 CPU-seconds), and the suite starts dozens of them on a 2-core CI machine. One
