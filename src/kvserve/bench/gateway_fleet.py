@@ -2,12 +2,15 @@
 
 Workers are `LaunchedServer`s (kvserve or vLLM), each with one compute thread and its own core
 where the machine has one per worker. Each router configuration starts cold on a fresh fleet:
-kvserve workers are restarted (a second or two), vLLM workers keep running and have their prefix
-cache reset (`POST /reset_prefix_cache`, which needs VLLM_SERVER_DEV_MODE=1; their startup takes
-a minute). With LoRA adapters (gateway_lora.py) every worker serves them all, and vLLM
-workers also have their adapter slots reset. Routers are kvserve's gateway (`kvserve gateway`)
-or SGLang's router, one or several replicas, each its own process; "ideal" is no router at all
-(the clients split by tenant).
+workers keep running and have their prefix cache reset (`POST /reset_prefix_cache`: vLLM's needs
+VLLM_SERVER_DEV_MODE=1, kvserve's the admin key the fleet gives its workers). kvserve workers
+are restarted instead (a second or two) where a reset would not give the same cold start: with
+LoRA adapters (their slots start empty), or when a worker refuses the reset. A reset worker
+publishes AllBlocksCleared at once, so a `precise` router never reads blocks of an earlier
+run as cached. With LoRA adapters (gateway_lora.py) every worker
+serves them all, and vLLM workers also have their adapter slots reset. Routers are kvserve's
+gateway (`kvserve gateway`) or SGLang's router, one or several replicas, each its own process;
+"ideal" is no router at all (the clients split by tenant).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -227,6 +231,11 @@ class Fleet:
         cores = os.cpu_count() or 1
         self.server, self.adapters, self.model = server, adapters, spec.served_model_name
         self._used = False  # whether anything ran on the fleet since `start()` (`fresh`)
+        # kvserve's reset is an admin route: a key of this fleet's, where a reset is used.
+        self._admin_key = (secrets.token_hex(16) if server == KVSERVE and adapters is None
+                           else None)
+        if self._admin_key is not None:
+            spec = replace(spec, env=spec.env + (("KVSERVE_ADMIN_KEY", self._admin_key),))
         if adapters is not None:
             spec = replace(spec, extra_args=spec.extra_args + adapters.worker_args(),
                            env=spec.env + (vllm_worker_env(log_dir) if server == VLLM else ()))
@@ -277,7 +286,8 @@ class Fleet:
         vLLM's). Workers just started and not used yet are cold already: kept as they are
         (kvserve's) or only reset."""
         if self.server == KVSERVE:
-            if self._used or not all(w.running for w in self.workers):
+            running = all(w.running for w in self.workers)
+            if (self._used or not running) and not (running and self._reset_kvserve()):
                 for w in self.workers:
                     w.stop()
                 self.start()
@@ -290,6 +300,15 @@ class Fleet:
             if self.adapters is not None:
                 reset_vllm_adapters(w.url, self.adapters, self.model)
             httpx.post(f"{w.url}/reset_prefix_cache", timeout=30.0).raise_for_status()
+
+    def _reset_kvserve(self) -> bool:
+        """Reset every kvserve worker's prefix cache; False where the fleet has no key for it
+        or a worker refused (a request still draining): then it is restarted."""
+        if self._admin_key is None:
+            return False
+        headers = {"Authorization": f"Bearer {self._admin_key}"}
+        return all(httpx.post(f"{w.url}/reset_prefix_cache", headers=headers,
+                              timeout=30.0).status_code == 200 for w in self.workers)
 
     def load_readers(self) -> list[LoadReader] | None:
         """Per worker, what counts its adapter loads (gateway_lora.py); None without adapters.

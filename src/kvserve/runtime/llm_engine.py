@@ -244,6 +244,15 @@ class LLMEngine:
         n = len(output.outputs)
         self.core.abort([request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)])
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block in every tier (KVCacheManager's refusals apply:
+        False, nothing changed) and publish the clear now, so KV event consumers see it before
+        any later block rather than at the next step."""
+        if not self.kv_cache.reset_prefix_cache():
+            return False
+        self.kv_events.extend(self.kv_cache.drain_events())
+        return True
+
     @property
     def has_unfinished(self) -> bool:
         return self.core.has_unfinished

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvserve.runtime import AsyncEngine, EngineDeadError
+from kvserve.server.cache_routes import add_cache_routes
 from kvserve.server.chat_formatting import ChatFormatter
 from kvserve.server.debug import kv_report
 from kvserve.server.errors import APIError, install_error_handlers
@@ -119,6 +120,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings | None = None) -> F
 
     add_vllm_routes(app, tokenizer, model_name, engine.info.limits.max_model_len, require_api_key)
     add_lora_routes(app, engine, require_admin_key)
+    add_cache_routes(app, engine, require_admin_key)
     if publisher is not None and engine.lora is not None:
         publisher.adapter_names = engine.lora.name_of
 
