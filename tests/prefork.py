@@ -38,7 +38,7 @@ from typing import IO, Any
 # whose value differs from the zygote's must import for itself.
 _IMPORT_TIME_ENV = ("OMP_", "GOMP_", "KMP_", "MKL_", "LD_", "MALLOC_", "GLIBC_", "PYTHON",
                     "TORCH", "KVSERVE_CPU_KERNELS")
-_IGNORED_ENV = frozenset({"PYTHONUNBUFFERED"})  # the forked worker's stdio is unbuffered anyway
+_IGNORED_ENV = frozenset({"PYTHONUNBUFFERED"})  # a forked worker's stdio is line-buffered
 _POLL_S = 0.02
 # What `kvserve serve` imports before it reads its flags (the rest it imports itself).
 _PREIMPORTED = ("kvserve.cli", "kvserve.server.command", "kvserve.runtime", "kvserve.server.app")
@@ -166,9 +166,9 @@ def _run_worker(argv: list[str], env: dict[str, str], log: str, cwd: str,
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, errors="backslashreplace",  # noqa: SIM115
                           closefd=False)
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGCHLD):
-            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
-                          else signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a fresh process's handlers
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         os.environ.clear()
         os.environ.update(env)
         os.chdir(cwd)

@@ -284,10 +284,11 @@ class Fleet:
         """Cold prefix caches on every worker, every worker up; with adapters, the same
         adapter slots before every router (empty on kvserve's, `reset_vllm_adapters` on
         vLLM's). Workers just started and not used yet are cold already: kept as they are
-        (kvserve's) or only reset."""
+        (kvserve's) or only reset. Used kvserve workers are reset, or restarted where they have
+        no key for it (adapters) or one refuses."""
         if self.server == KVSERVE:
-            running = all(w.running for w in self.workers)
-            if (self._used or not running) and not (running and self._reset_kvserve()):
+            if (not all(w.running for w in self.workers)
+                    or (self._used and not self._reset_kvserve())):
                 for w in self.workers:
                     w.stop()
                 self.start()
