@@ -19,12 +19,13 @@ class PagedRunner:
     """Runs steps of many sequences over one paged cache; returns every new row's logits."""
 
     def __init__(self, model: LlamaForCausalLM, *, num_blocks: int = 64, block_size: int = 4,
-                 seed: int = 0, junk: bool = True) -> None:
+                 seed: int = 0, junk: bool = True, kv_dtype: torch.dtype | None = None) -> None:
+        """`kv_dtype`: the caches' dtype (the model's when None)."""
         self.model = model
         self.block_size = block_size
         param = next(model.parameters())
         self.caches = allocate_kv_caches(model.config, num_blocks, block_size,
-                                         dtype=param.dtype, device=param.device)
+                                         dtype=kv_dtype or param.dtype, device=param.device)
         if junk:
             gen = torch.Generator().manual_seed(seed)
             for cache in self.caches:

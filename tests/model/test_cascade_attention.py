@@ -30,13 +30,16 @@ EQUAL = [(20, 4, True), (20, 4, True), (20, 4, True)]
 
 
 @pytest.mark.parametrize("seqs", [MIXED, EQUAL], ids=["mixed", "equal_suffixes"])
-@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(8, 2), (4, 4)])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "cache_dtype"),
+                         [(8, 2, torch.float32), (4, 4, torch.float32), (8, 2, torch.bfloat16)])
 def test_prefill_cascade_equals_whole_context_attention(seqs, num_heads, num_kv_heads,
-                                                       attention_impl):
+                                                       cache_dtype, attention_impl):
+    """Over a float32 cache, and over a bf16 one under float32 queries (`--kv-cache-dtype
+    bf16`), where every chunk attends over its K/V rounded as the cache holds them."""
     gen = torch.Generator().manual_seed(3)
     bs, hd, scale = 4, 16, 16 ** -0.5
-    cache = KVCache(100 * torch.randn(64, bs, num_kv_heads, hd, generator=gen),
-                    100 * torch.randn(64, bs, num_kv_heads, hd, generator=gen))  # junk
+    cache = KVCache((100 * torch.randn(64, bs, num_kv_heads, hd, generator=gen)).to(cache_dtype),
+                    (100 * torch.randn(64, bs, num_kv_heads, hd, generator=gen)).to(cache_dtype))
     head = [3, 9, 17, 22, 5]
     head_k = torch.randn(20, num_kv_heads, hd, generator=gen)
     head_v = torch.randn(20, num_kv_heads, hd, generator=gen)
@@ -66,8 +69,11 @@ def test_prefill_cascade_equals_whole_context_attention(seqs, num_heads, num_kv_
                           torch.cat([k[c:] for k, (c, _, _) in zip(full_k, seqs, strict=True)]),
                           torch.cat([v[c:] for v, (c, _, _) in zip(full_v, seqs, strict=True)]),
                           cache, meta)
+    held = [(k.to(cache_dtype).float(), v.to(cache_dtype).float())
+            for k, v in zip(full_k, full_v, strict=True)]
     want = torch.cat([dense_causal(q, k, v, c, scale)
-                      for q, k, v, (c, _, _) in zip(qs, full_k, full_v, seqs, strict=True)])
+                      for q, (k, v), (c, _, _) in zip(qs, held, seqs, strict=True)])
+    assert out.dtype == torch.float32
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
 

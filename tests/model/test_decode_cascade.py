@@ -77,11 +77,13 @@ def test_cpu_float32_takes_the_flash_path(monkeypatch):
 
 
 @pytest.mark.parametrize("with_prefill", [False, True])
-def test_paged_attention_decodes_through_the_cascade(with_prefill, attention_impl):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_decodes_through_the_cascade(with_prefill, cache_dtype, attention_impl):
     """A decode-only step (its output is the decodes' rows directly) and a step that also
-    prefills a chunk on another prefix: both equal each context attended whole."""
+    prefills a chunk on another prefix: both equal each context attended whole, over a float32
+    cache and over a bf16 one under float32 queries (`--kv-cache-dtype bf16`)."""
     num_heads, num_kv_heads, head_dim = 6, 2, 8
-    cache = junk_cache(num_kv_heads, head_dim, torch.float32, seed=7)
+    cache = junk_cache(num_kv_heads, head_dim, cache_dtype, seed=7)
     tails = TAILS + ([([40, 41], 7)] if with_prefill else [])
     tables = [HEAD + t for t, _ in TAILS] + ([[40, 41]] if with_prefill else [])
     seq_lens = [n for _, n in tails]

@@ -58,13 +58,14 @@ def block_model(seed: int, ggml_type: str, **overrides: object) -> LlamaForCausa
     return model.eval()
 
 
-def run_steps(model: LlamaForCausalLM, fused: bool) -> tuple[list[dict], list[torch.Tensor]]:
+def run_steps(model: LlamaForCausalLM, fused: bool, kv_dtype: torch.dtype | None = None,
+              ) -> tuple[list[dict], list[torch.Tensor]]:
     """Two prompts prefilled, then decode steps of 2, 3 and 1 sequences (one joins late)."""
     kept = model.model.fused_decode
     if not fused:
         model.model.fused_decode = None
     try:
-        return _steps(PagedRunner(model, num_blocks=32, block_size=4, seed=1))
+        return _steps(PagedRunner(model, num_blocks=32, block_size=4, seed=1, kv_dtype=kv_dtype))
     finally:
         model.model.fused_decode = kept
 
@@ -150,6 +151,17 @@ def test_packed_blocks_equal_the_per_op_path_bit_for_bit(ggml_type, arch, fused_
     got = run_steps(model, fused=True)
     assert fused_calls.count(True) == 14 and fused_calls.count(False) == 2, fused_calls
     assert_same(got, run_steps(model, fused=False))
+
+
+@needs_block_kernels
+def test_packed_blocks_over_a_bf16_cache_equal_the_per_op_path_bit_for_bit(fused_calls):
+    """float32 activations, bf16 K/V (`--kv-cache-dtype bf16`): the step rounds each new K/V
+    row as torch's `.to(bfloat16)` does, and attention reads the same rounded cache."""
+    model = block_model(6, "Q4_1")
+    got = run_steps(model, fused=True, kv_dtype=torch.bfloat16)
+    assert fused_calls.count(True) == 14 and fused_calls.count(False) == 2, fused_calls
+    assert all(t.dtype == torch.bfloat16 for t in got[1])
+    assert_same(got, run_steps(model, fused=False, kv_dtype=torch.bfloat16))
 
 
 @needs_block_kernels

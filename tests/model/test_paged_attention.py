@@ -73,6 +73,42 @@ def test_mixed_step_matches_dense_attention(block_size: int, window: int | None,
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_float32_queries_over_a_bf16_cache_attend_to_the_rounded_rows(
+        attention_impl: str) -> None:
+    """`--kv-cache-dtype bf16` under a float32 model: every path (a fresh prefill, a chunk after
+    cached context, decodes) attends over K/V as the cache holds them, rounded to bf16, so a
+    prefix-cache hit reads what a miss did; the result is float32."""
+    gen = torch.Generator().manual_seed(11)
+    block_size, num_heads, num_kv_heads, head_dim, num_blocks = 4, 6, 2, 16, 32
+    seqs = [(0, 7), (5, 6), (9, 1), (20, 1)]  # (cached tokens, new tokens)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    cache = KVCache(torch.randn(shape, generator=gen).bfloat16(),
+                    torch.randn(shape, generator=gen).bfloat16())
+    free = list(range(num_blocks))
+    random.Random(1).shuffle(free)
+    tables, full_k, full_v, qs = [], [], [], []
+    for cached, new in seqs:
+        total = cached + new
+        tables.append([free.pop() for _ in range(-(-total // block_size))])
+        full_k.append(torch.randn(total, num_kv_heads, head_dim, generator=gen))
+        full_v.append(torch.randn(total, num_kv_heads, head_dim, generator=gen))
+        qs.append(torch.randn(new, num_heads, head_dim, generator=gen))
+        if cached:
+            prior = AttentionMetadata.from_lists([cached], [cached], [tables[-1]], block_size)
+            write_kv_cache(full_k[-1][:cached], full_v[-1][:cached], cache, prior.slot_mapping)
+    metadata = AttentionMetadata.from_lists([n for _, n in seqs], [c + n for c, n in seqs],
+                                            tables, block_size)
+    out = paged_attention(
+        torch.cat(qs), torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)]),
+        torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs, strict=True)]), cache, metadata)
+    assert out.dtype == torch.float32 and cache.key_cache.dtype == torch.bfloat16
+    rounded = [(k.bfloat16().float(), v.bfloat16().float()) for k, v in zip(full_k, full_v,
+                                                                             strict=True)]
+    expected = torch.cat([dense_attention(q, k, v, c, None)
+                          for q, (k, v), (c, _) in zip(qs, rounded, seqs, strict=True)])
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_from_lists_derives_slots_positions_and_host_copies() -> None:
     metadata = AttentionMetadata.from_lists([3, 1], [5, 2], [[7, 2, 9], [4]], block_size=2)
     # seq 0: positions 2, 3, 4 -> blocks 2, 2, 9; seq 1: position 1 -> block 4, offset 1

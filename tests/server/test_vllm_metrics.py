@@ -96,6 +96,7 @@ def test_cache_config_info_has_vllms_full_label_set(
     assert len(labels) == 37
     assert labels["block_size"] == "16" and labels["enable_prefix_caching"] == "True"
     assert labels["engine"] == "0" and labels["prefix_caching_hash_algo"] == "sha256"
+    assert labels["cache_dtype"] == "auto"  # the flag as given, as vLLM reports it
     blocks = int(labels["num_gpu_blocks"])
     assert int(labels["kv_cache_size_tokens"]) == blocks * 16
 

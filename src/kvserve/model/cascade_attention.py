@@ -42,6 +42,7 @@ def attend_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     in query's dtype and lse [B, H, Lq] float32. Every row must see at least one key.
     """
     if query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16):
+        key, value = key.to(query.dtype), value.to(query.dtype)  # a bf16 cache's, widened
         bias = None
         if mask is not None:
             bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)

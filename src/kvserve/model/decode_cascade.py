@@ -46,15 +46,16 @@ def cascade_decode(query: torch.Tensor, kv_cache: KVCache, plan: DecodeCascade,
     [D, H, hd] in query's dtype, equal to attending over each whole context. Reads the head's
     K/V once for all D decodes; CPU float32 and bf16 take kvserve's kernels (else, float32, the
     flash-kernel path), the rest the portable one (see the module docstring)."""
+    cache_dtype = kv_cache.key_cache.dtype
     if query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16) \
-            and kv_cache.key_cache.dtype == query.dtype:
+            and cache_dtype in (query.dtype, torch.bfloat16):
         # The head's K/V gathered once, for whichever CPU path serves the call.
         k_head = kv_cache.key_cache.index_select(0, plan.head_block_ids).flatten(0, 1)
         v_head = kv_cache.value_cache.index_select(0, plan.head_block_ids).flatten(0, 1)
         by_kernel = _cascade_decode_kernel(query, k_head, v_head, kv_cache, plan, scale)
         if by_kernel is not None:
             return by_kernel
-        if query.dtype == torch.float32:
+        if query.dtype == torch.float32 == cache_dtype:
             return _cascade_decode_cpu(query, k_head, v_head, kv_cache, plan, scale)
     return cascade_decode_portable(query, kv_cache, plan, scale)
 

@@ -9,7 +9,8 @@ layer) costs as much as its matmuls read weights in (docs/benchmarks.md has the 
 fused step calls the same kernels on the same bf16 tensors in the same order, from C, so its
 output is the per-op path's bit for bit (tests/model/test_decode_step.py checks it). It serves
 only what those kernels serve: no LoRA deltas, no tensor parallelism, no q/k norms or sliding
-windows, a KV cache in the model's dtype, no more decodes than the block kernels take a call
+windows, a KV cache in the model's dtype (or bf16 under a float32 model: the step rounds each
+new K/V row as torch does), no more decodes than the block kernels take a call
 (KERNEL_MAX_TOKENS) for packed weights, and decodes that share no cascade head (those keep the
 cascade's one read of the head); `FusedDecode.__call__` returns None for anything else, and the
 caller runs the per-op path.
@@ -70,7 +71,7 @@ class _StepArgs(ctypes.Structure):
         ("hidden_size", ctypes.c_long), ("intermediate_size", ctypes.c_long),
         ("num_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
         ("head_dim", ctypes.c_int), ("num_threads", ctypes.c_int), ("bf16", ctypes.c_int),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_bf16", ctypes.c_int),
     ]
 
 
@@ -171,7 +172,8 @@ class FusedDecode:
         plan = meta.decode_batch()
         cache = kv_caches[0]
         if (plan is None or meta.decode_cascade(cache.block_size) is not None
-                or cache.key_cache.dtype != self.dtype or hidden.dtype != self.dtype
+                or cache.key_cache.dtype not in (self.dtype, torch.bfloat16)
+                or hidden.dtype != self.dtype
                 or (self.dtype == torch.float32 and hidden.shape[0] > KERNEL_MAX_TOKENS)
                 or not hidden.is_contiguous() or hidden.shape[0] != plan.seq_lens.shape[0]
                 or cos.dtype != torch.float32 or not cos.is_contiguous()
@@ -187,7 +189,8 @@ class FusedDecode:
             slots.data_ptr(), plan.block_tables.data_ptr(), plan.seq_lens.data_ptr(),
             len(self._layers), hidden.shape[0], plan.block_tables.stride(0), cache.block_size,
             self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads,
-            self.head_dim, torch.get_num_threads(), self._bf16, self.eps, self.scale)
+            self.head_dim, torch.get_num_threads(), self._bf16, self.eps, self.scale,
+            int(cache.key_cache.dtype == torch.bfloat16))
         status = lib.kvserve_decode_step(ctypes.addressof(args))
         if status != 0:
             raise RuntimeError(f"kvserve's fused decode step failed (status {status}: -2 is "
@@ -201,13 +204,13 @@ class FusedDecode:
 
     def _point_at(self, kv_caches: Sequence[KVCache]) -> bool:
         """Each layer's cache addresses, rewritten only when the caches change; False where
-        they are not one contiguous KVCache a layer in the model's dtype."""
+        they are not one contiguous KVCache a layer, all in one dtype."""
         addresses = tuple(p for c in kv_caches
                           for p in (c.key_cache.data_ptr(), c.value_cache.data_ptr()))
         if addresses == self._caches:
             return True
         if len(kv_caches) != len(self._layers) or not all(
-                t.is_contiguous() and t.dtype == self.dtype
+                t.is_contiguous() and t.dtype == kv_caches[0].key_cache.dtype
                 for c in kv_caches for t in (c.key_cache, c.value_cache)):
             return False
         for entry, cache in zip(self._layers, kv_caches, strict=True):

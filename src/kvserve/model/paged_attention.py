@@ -102,6 +102,9 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     query [num_tokens, num_heads, hd]; key/value [num_tokens, kv_heads, hd]
     -> [num_tokens, num_heads, hd] in query's dtype. See the module docstring for the contract.
     """
+    # Every path below attends over K/V as the cache holds them, this step's fresh rows too (a
+    # bf16 cache under a float32 model rounds them), so a prefix-cache hit reads what a miss did.
+    key, value = key.to(kv_cache.key_cache.dtype), value.to(kv_cache.value_cache.dtype)
     # Invariant: after the write, slots of positions < seq_lens[i] hold sequence i's K/V, so every
     # read below sees the full context, this step's tokens included.
     write_kv_cache(key, value, kv_cache, attn_metadata.slot_mapping)
@@ -150,6 +153,7 @@ def _prefill_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         fast = cpu_attention.attention(query, keys, values, scale, causal_offset=context_start)
         if fast is not None:
             return fast[0]
+    keys, values = keys.to(query.dtype), values.to(query.dtype)  # a bf16 cache's, widened
     mask = None
     if context_start > 0 or sliding_window is not None:
         q_pos = torch.arange(context_start, seq_len, device=query.device)[:, None]  # [q_len, 1]

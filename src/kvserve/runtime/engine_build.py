@@ -9,7 +9,6 @@ state: the engine owns what they return.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,17 +33,15 @@ from kvserve.model.runner import ModelRunner
 from kvserve.model.sampler import Sampler
 from kvserve.model.tensor_parallel import ShardSpec, check_shardable
 from kvserve.runtime.collective_stats import CollectiveStats
-from kvserve.runtime.engine_args import EngineArgs, kv_cache_dtype_name
+from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.engine_info import EngineInfo, EngineLimits
 from kvserve.runtime.host_memory import reuse_freed_host_memory
 from kvserve.runtime.lora_registry import LoRARegistry
 from kvserve.runtime.lora_setup import attach_lora
 from kvserve.runtime.memory_budget import device_memory_bytes, kv_bytes_for_utilization
-from kvserve.runtime.model_setup import DTYPES, load_rank_model, rank_device
+from kvserve.runtime.model_setup import kv_cache_torch_dtype, load_rank_model, rank_device
 from kvserve.runtime.tp.executor import TensorParallelExecutor
 from kvserve.runtime.tp.launch import RankGroup, Rendezvous
-
-_LOG = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,18 +85,8 @@ def build_parts(args: EngineArgs, group: RankGroup | None) -> EngineParts:
     tokenizer = Tokenizer.from_pretrained(tokenizer_path, chat_template=template)
     config = loaded.config
     rank_config = loaded.model.config  # this rank's heads (all of them on one rank)
-    kv_dtype = kv_cache_dtype_name(args.kv_cache_dtype)
-    if kv_dtype is not None and kv_dtype == args.dtype and DTYPES[kv_dtype] != loaded.dtype:
-        _LOG.warning("--kv-cache-dtype %s follows the model's dtype, %s: --dtype %s fell back "
-                     "on this CPU", args.kv_cache_dtype,
-                     str(loaded.dtype).removeprefix("torch."), args.dtype)
-        kv_dtype = None
-    if kv_dtype is not None and DTYPES[kv_dtype] != loaded.dtype:
-        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype} differs from the model's "
-                         f"dtype ({str(loaded.dtype).removeprefix('torch.')}): kvserve's "
-                         "attention reads the KV cache in the model's dtype; pass the same "
-                         "--dtype, or --kv-cache-dtype auto")
-    bytes_per_block = kv_cache_bytes_per_block(rank_config, args.block_size, loaded.dtype)
+    kv_dtype = kv_cache_torch_dtype(args, loaded.dtype)
+    bytes_per_block = kv_cache_bytes_per_block(rank_config, args.block_size, kv_dtype)
     utilization_bytes = None
     if args.gpu_memory_utilization is not None:
         utilization_bytes = kv_bytes_for_utilization(
@@ -118,12 +105,12 @@ def build_parts(args: EngineArgs, group: RankGroup | None) -> EngineParts:
                               num_host_slots=num_host_slots,
                               num_disk_slots=num_disk_slots)
     kv_caches = allocate_kv_caches(rank_config, num_blocks, args.block_size,
-                                   dtype=loaded.dtype, device=loaded.device)
+                                   dtype=kv_dtype, device=loaded.device)
     host_kv_caches = allocate_host_kv_caches(
-        rank_config, num_host_slots, args.block_size, dtype=loaded.dtype,
+        rank_config, num_host_slots, args.block_size, dtype=kv_dtype,
         pin_memory=torch.device(loaded.device).type == "cuda") if num_host_slots else []
     disk = allocate_disk_kv_caches(rank_config, num_disk_slots, args.block_size,
-                                   dtype=loaded.dtype, path=args.kv_disk_tier_path
+                                   dtype=kv_dtype, path=args.kv_disk_tier_path
                                    ) if num_disk_slots and args.kv_disk_tier_path else None
     eos = frozenset(loaded.eos_token_ids) | (
         {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())

@@ -12,11 +12,29 @@ from kvserve.model.gguf.locate import is_gguf
 from kvserve.model.onednn_linear import has_native_bf16, onednn_available
 from kvserve.model.quantized_model import gguf_weights, pack_quantized, quantize_weights
 from kvserve.model.tensor_parallel import ShardSpec
-from kvserve.runtime.engine_args import EngineArgs
+from kvserve.runtime.engine_args import EngineArgs, kv_cache_dtype_name
 from kvserve.runtime.memory_budget import model_bytes
 
 _LOG = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def kv_cache_torch_dtype(args: EngineArgs, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype: the model's for "auto"; else the one asked for, where kvserve's
+    attention reads it: the model's own, or bfloat16 under a float32 model (half the bytes a
+    cached token; every attention path widens the rows as it reads them and computes in
+    float32). ValueError for any other pairing, naming the ones that work."""
+    name = kv_cache_dtype_name(args.kv_cache_dtype)
+    if name is None:
+        return model_dtype
+    wanted = DTYPES[name]
+    if wanted == model_dtype or (wanted == torch.bfloat16 and model_dtype == torch.float32):
+        return wanted
+    model = str(model_dtype).removeprefix("torch.")
+    also = " or bf16" if model_dtype == torch.float32 else ""
+    raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: a {model} model's attention "
+                     f"reads a KV cache in its own dtype{also}; pass --kv-cache-dtype auto"
+                     f"{also}, or a --dtype to match")
 
 
 def rank_device(device: str, local_rank: int) -> str:

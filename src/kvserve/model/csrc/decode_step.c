@@ -5,9 +5,12 @@
  *
  * Contract (kvserve_decode_step): D decodes (one new token each, row t of every activation is
  * decode t's), a Llama-family layer stack without q/k norms, sliding windows or LoRA, its
- * activations and K/V caches all bf16 (`bf16` = 1, every projection PROJ_BF16 or PROJ_I8) or
- * all float32 (`bf16` = 0, every projection PROJ_Q4, PROJ_Q8 or PROJ_I8). hidden [D, hidden_size] holds the token
- * embeddings on entry and is scratch after; out [D, hidden_size] receives the final norm of the
+ * activations all bf16 (`bf16` = 1, every projection PROJ_BF16 or PROJ_I8) or all float32
+ * (`bf16` = 0, every projection PROJ_Q4, PROJ_Q8 or PROJ_I8), its K/V caches bf16 when
+ * `kv_bf16` (required under bf16 activations; under float32 ones each new K/V row is rounded
+ * to nearest even as it is stored, as torch rounds) else float32. hidden [D, hidden_size]
+ * holds the token embeddings on entry and is scratch after; out [D, hidden_size] receives the
+ * final norm of the
  * last layer's residual stream. Per layer, in order: input RMSNorm; the fused q/k/v
  * projection; rotary on q and k (cos/sin [D, head_dim] float32); K and V stored at slots[t] of
  * the layer's caches; paged decode attention over positions [0, ends[t]) through row t of
@@ -61,6 +64,7 @@ struct decode_step_args {
     long num_layers, num_decodes, table_stride, block_size, hidden_size, intermediate_size;
     int num_heads, num_kv_heads, head_dim, num_threads, bf16;
     float eps, scale;
+    int kv_bf16;
 };
 
 #ifndef DECODE_STEP_BLOCKS_ONLY
@@ -77,6 +81,26 @@ static void widen(const uint16_t *src, float *dst, long n) { (void)src, (void)ds
 static void narrow(const float *src, uint16_t *dst, long n) { (void)src, (void)dst, (void)n; }
 #define HAS_BF16_INT8 0
 #endif
+
+/* float32 -> bfloat16, rounded to nearest even as torch rounds (a NaN becomes 0x7FC0);
+ * branch-free, so the store loop below vectorizes. */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    const uint16_t rounded = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0 : rounded;
+}
+
+/* Stores a K or V row of n activations (float32 unless bf) at dst in the cache's dtype. */
+static void store_kv(const char *row, void *dst, long n, int bf, int kv_bf16) {
+    if (bf == kv_bf16) {
+        memcpy(dst, row, (size_t)n * (bf ? 2 : 4));
+        return;
+    }
+    const float *x = (const float *)row;
+    uint16_t *y = dst;
+    for (long i = 0; i < n; i++) y[i] = to_bf16(x[i]);
+}
 
 #define CHECK(call)              \
     do {                         \
@@ -119,8 +143,9 @@ int kvserve_decode_step(const struct decode_step_args *a) {
     const long kv_size = (long)a->num_kv_heads * a->head_dim;
     const long qkv_n = q_size + 2 * kv_size;
     const int th = a->num_threads, bf = a->bf16;
-    const long es = bf ? 2 : 4;  /* bytes an activation or cache element */
-    if (q_size % 16 || (bf && !HAS_BF16_INT8)) return -1;
+    const long es = bf ? 2 : 4;  /* bytes an activation element */
+    const long ks = a->kv_bf16 ? 2 : 4;  /* bytes a cache element */
+    if (q_size % 16 || (bf && !HAS_BF16_INT8) || (bf && !a->kv_bf16)) return -1;
     /* Scratch in the activations' dtype: residual partner [D, hid], normed [D, hid], qkv
      * [D, qkv_n], attention out [D, q_size], gate_up [D, 2 * inter], act [D, inter]; for bf16
      * also q and the attention out in float32 [D, q_size] each (paged decode's dtype). */
@@ -145,10 +170,10 @@ int kvserve_decode_step(const struct decode_step_args *a) {
                              a->head_dim, a->cos, a->sin, th, bf));
         for (long t = 0; t < d_n; t++) {
             const char *row = qkv + t * qkv_n * es;
-            memcpy((char *)w->k_cache + a->slots[t] * kv_size * es, row + q_size * es,
-                   kv_size * es);
-            memcpy((char *)w->v_cache + a->slots[t] * kv_size * es, row + (q_size + kv_size) * es,
-                   kv_size * es);
+            store_kv(row + q_size * es, (char *)w->k_cache + a->slots[t] * kv_size * ks, kv_size,
+                     bf, a->kv_bf16);
+            store_kv(row + (q_size + kv_size) * es,
+                     (char *)w->v_cache + a->slots[t] * kv_size * ks, kv_size, bf, a->kv_bf16);
             if (bf) widen((const uint16_t *)row, q32 + t * q_size, q_size);
         }
         const struct decode_args dec = {
@@ -158,7 +183,7 @@ int kvserve_decode_step(const struct decode_step_args *a) {
             .table_stride = a->table_stride, .block_size = a->block_size,
             .q_stride_t = bf ? q_size : qkv_n, .q_stride_h = a->head_dim,
             .num_heads = a->num_heads, .num_kv_heads = a->num_kv_heads,
-            .head_dim = a->head_dim, .num_threads = th, .scale = a->scale, .kv_bf16 = bf};
+            .head_dim = a->head_dim, .num_threads = th, .scale = a->scale, .kv_bf16 = a->kv_bf16};
         CHECK(kvserve_paged_decode(&dec));
         if (bf) narrow(att32, (uint16_t *)att, d_n * q_size);
         CHECK(project(&w->o, att, q_size, d_n, hid, q_size, other, hid, th, bf));

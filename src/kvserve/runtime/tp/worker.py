@@ -30,7 +30,7 @@ from kvserve.model.sampler import Sampler
 from kvserve.model.tensor_parallel import ShardSpec
 from kvserve.runtime.engine_args import EngineArgs
 from kvserve.runtime.lora_setup import rank_slots
-from kvserve.runtime.model_setup import load_rank_model, rank_device
+from kvserve.runtime.model_setup import kv_cache_torch_dtype, load_rank_model, rank_device
 from kvserve.runtime.tp.comm import (
     HEARTBEAT_INTERVAL_S,
     Communicator,
@@ -67,7 +67,8 @@ def run_rank(args: EngineArgs, rank: int, world_size: int, local_rank: int, mast
     loaded, _ = load_rank_model(args, ShardSpec(rank, world_size), device)
     num_blocks = int(store.get(NUM_BLOCKS_KEY).decode())
     kv_caches = allocate_kv_caches(loaded.model.config, num_blocks, args.block_size,
-                                   dtype=loaded.dtype, device=loaded.device)
+                                   dtype=kv_cache_torch_dtype(args, loaded.dtype),
+                                   device=loaded.device)
     runner = ModelRunner(loaded.model, kv_caches, args.block_size,
                          Sampler(args.seed, loaded.device))
     adapters = rank_slots(args, loaded) if args.enable_lora else None

@@ -113,7 +113,7 @@ class VLLMEngineFamilies:
         host_slots = str(kv.host.num_slots) if kv.host else "None"
         labels = {
             "_block_size_resolved": "True", "block_size": str(kv.block_size),
-            "cache_dtype": "auto", "cache_hit_alignment_tokens": "None",
+            "cache_dtype": args.kv_cache_dtype, "cache_hit_alignment_tokens": "None",
             "effective_attention_block_size": str(kv.block_size),
             "enable_mamba_shared_prefix_checkpoint": "False",
             "enable_prefix_caching": str(args.enable_prefix_caching), "engine": ENGINE,
