@@ -9,7 +9,7 @@ the first difference, and the share of prompts it reproduces whole). For a model
 from a GGUF file the float32 weights are that file's dequantization, and `q4_1` re-packs them
 into the file's own Q4_1 blocks (the lm_head, the file's Q8_0 embeddings, into Q8_0).
 
-`--kv-cache-dtype bf16` runs the measured modes over a bf16 KV cache (float32 stays the
+`--kv-cache-dtype bf16` (or fp16) runs the measured modes over that KV cache (float32 stays the
 reference, over a float32 one); mode `float32` then measures the cache's rounding alone.
 """
 
@@ -39,7 +39,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        "bf16 and packed modes against float32, on chat prompts")
     p.add_argument("--model", required=True, help="a checkpoint directory")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=("float32", *MODES))
-    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16"),
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "bf16", "fp16"),
                    help="the measured modes' KV cache (the float32 reference keeps its own)")
     p.add_argument("--max-tokens", type=int, default=48, help="greedy tokens per prompt")
     p.add_argument("--threads", type=int, default=2)

@@ -31,11 +31,13 @@ EQUAL = [(20, 4, True), (20, 4, True), (20, 4, True)]
 
 @pytest.mark.parametrize("seqs", [MIXED, EQUAL], ids=["mixed", "equal_suffixes"])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "cache_dtype"),
-                         [(8, 2, torch.float32), (4, 4, torch.float32), (8, 2, torch.bfloat16)])
+                         [(8, 2, torch.float32), (4, 4, torch.float32), (8, 2, torch.bfloat16),
+                          (8, 2, torch.float16)])
 def test_prefill_cascade_equals_whole_context_attention(seqs, num_heads, num_kv_heads,
                                                        cache_dtype, attention_impl):
-    """Over a float32 cache, and over a bf16 one under float32 queries (`--kv-cache-dtype
-    bf16`), where every chunk attends over its K/V rounded as the cache holds them."""
+    """Over a float32 cache, and over a bf16 or fp16 one under float32 queries
+    (`--kv-cache-dtype`), where every chunk attends over its K/V rounded as the cache holds
+    them."""
     gen = torch.Generator().manual_seed(3)
     bs, hd, scale = 4, 16, 16 ** -0.5
     cache = KVCache((100 * torch.randn(64, bs, num_kv_heads, hd, generator=gen)).to(cache_dtype),

@@ -183,15 +183,17 @@ def test_paged_decode_reads_the_cache_in_place(head_dim, heads, kv_heads, with_w
 
 @needs_paged_decode
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
-@pytest.mark.parametrize("query_dtype", [torch.float32, torch.bfloat16])
-def test_paged_decode_reads_a_bfloat16_cache_in_place(head_dim, query_dtype):
-    """A bf16 cache is read as its exact float32 values (float32 arithmetic), so the result is
-    float64 attention over those values, rounded to the query's dtype at the end."""
+@pytest.mark.parametrize(("query_dtype", "cache_dtype"), [
+    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.bfloat16),
+    (torch.float32, torch.float16)])
+def test_paged_decode_reads_a_16_bit_cache_in_place(head_dim, query_dtype, cache_dtype):
+    """A bf16 or fp16 cache is read as its exact float32 values (float32 arithmetic), so the
+    result is float64 attention over those values, rounded to the query's dtype at the end."""
     gen = torch.Generator().manual_seed(head_dim + 3)
     bs, lens = 16, [1, 5, 64, 65, 130, 17]
     query, key_cache, value_cache, tables = paged_case(gen, head_dim, 8, 2, bs, lens)
     query = query.to(query_dtype)
-    key_cache, value_cache = key_cache.bfloat16(), value_cache.bfloat16()
+    key_cache, value_cache = key_cache.to(cache_dtype), value_cache.to(cache_dtype)
     ends = torch.tensor(lens)
     got = cpu_attention.paged_decode(query, key_cache, value_cache, tables, ends,
                                       head_dim ** -0.5)
@@ -206,14 +208,14 @@ def test_paged_decode_reads_a_bfloat16_cache_in_place(head_dim, query_dtype):
 
 
 @needs_paged_decode
-@pytest.mark.parametrize("case", ["mixed_caches", "float16_cache"])
+@pytest.mark.parametrize("case", ["mixed_caches", "float64_cache"])
 def test_paged_decode_declines_caches_it_does_not_read(case):
     gen = torch.Generator().manual_seed(1)
     query, key_cache, value_cache, tables = paged_case(gen, 32, 4, 2, 4, [3, 9])
     if case == "mixed_caches":
         value_cache = value_cache.bfloat16()
     else:
-        key_cache, value_cache = key_cache.half(), value_cache.half()
+        key_cache, value_cache = key_cache.double(), value_cache.double()
     assert cpu_attention.paged_decode(query, key_cache, value_cache, tables,
                                       torch.tensor([3, 9]), 0.2) is None
 

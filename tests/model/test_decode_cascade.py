@@ -77,11 +77,11 @@ def test_cpu_float32_takes_the_flash_path(monkeypatch):
 
 
 @pytest.mark.parametrize("with_prefill", [False, True])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_paged_attention_decodes_through_the_cascade(with_prefill, cache_dtype, attention_impl):
     """A decode-only step (its output is the decodes' rows directly) and a step that also
     prefills a chunk on another prefix: both equal each context attended whole, over a float32
-    cache and over a bf16 one under float32 queries (`--kv-cache-dtype bf16`)."""
+    cache and over a bf16 or fp16 one under float32 queries (`--kv-cache-dtype`)."""
     num_heads, num_kv_heads, head_dim = 6, 2, 8
     cache = junk_cache(num_kv_heads, head_dim, cache_dtype, seed=7)
     tails = TAILS + ([([40, 41], 7)] if with_prefill else [])

@@ -154,14 +154,16 @@ def test_packed_blocks_equal_the_per_op_path_bit_for_bit(ggml_type, arch, fused_
 
 
 @needs_block_kernels
-def test_packed_blocks_over_a_bf16_cache_equal_the_per_op_path_bit_for_bit(fused_calls):
-    """float32 activations, bf16 K/V (`--kv-cache-dtype bf16`): the step rounds each new K/V
-    row as torch's `.to(bfloat16)` does, and attention reads the same rounded cache."""
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float16])
+def test_packed_blocks_over_a_16_bit_cache_equal_the_per_op_path_bit_for_bit(kv_dtype,
+                                                                             fused_calls):
+    """float32 activations, bf16 or fp16 K/V (`--kv-cache-dtype`): the step rounds each new
+    K/V row as torch's `.to()` does, and attention reads the same rounded cache."""
     model = block_model(6, "Q4_1")
-    got = run_steps(model, fused=True, kv_dtype=torch.bfloat16)
+    got = run_steps(model, fused=True, kv_dtype=kv_dtype)
     assert fused_calls.count(True) == 14 and fused_calls.count(False) == 2, fused_calls
-    assert all(t.dtype == torch.bfloat16 for t in got[1])
-    assert_same(got, run_steps(model, fused=False, kv_dtype=torch.bfloat16))
+    assert all(t.dtype == kv_dtype for t in got[1])
+    assert_same(got, run_steps(model, fused=False, kv_dtype=kv_dtype))
 
 
 @needs_block_kernels

@@ -73,17 +73,18 @@ def test_mixed_step_matches_dense_attention(block_size: int, window: int | None,
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_float32_queries_over_a_bf16_cache_attend_to_the_rounded_rows(
-        attention_impl: str) -> None:
-    """`--kv-cache-dtype bf16` under a float32 model: every path (a fresh prefill, a chunk after
-    cached context, decodes) attends over K/V as the cache holds them, rounded to bf16, so a
-    prefix-cache hit reads what a miss did; the result is float32."""
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_float32_queries_over_a_16_bit_cache_attend_to_the_rounded_rows(
+        cache_dtype: torch.dtype, attention_impl: str) -> None:
+    """`--kv-cache-dtype bf16` or `fp16` under a float32 model: every path (a fresh prefill, a
+    chunk after cached context, decodes) attends over K/V as the cache holds them, rounded, so
+    a prefix-cache hit reads what a miss did; the result is float32."""
     gen = torch.Generator().manual_seed(11)
     block_size, num_heads, num_kv_heads, head_dim, num_blocks = 4, 6, 2, 16, 32
     seqs = [(0, 7), (5, 6), (9, 1), (20, 1)]  # (cached tokens, new tokens)
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    cache = KVCache(torch.randn(shape, generator=gen).bfloat16(),
-                    torch.randn(shape, generator=gen).bfloat16())
+    cache = KVCache(torch.randn(shape, generator=gen).to(cache_dtype),
+                    torch.randn(shape, generator=gen).to(cache_dtype))
     free = list(range(num_blocks))
     random.Random(1).shuffle(free)
     tables, full_k, full_v, qs = [], [], [], []
@@ -101,9 +102,9 @@ def test_float32_queries_over_a_bf16_cache_attend_to_the_rounded_rows(
     out = paged_attention(
         torch.cat(qs), torch.cat([k[c:] for k, (c, _) in zip(full_k, seqs, strict=True)]),
         torch.cat([v[c:] for v, (c, _) in zip(full_v, seqs, strict=True)]), cache, metadata)
-    assert out.dtype == torch.float32 and cache.key_cache.dtype == torch.bfloat16
-    rounded = [(k.bfloat16().float(), v.bfloat16().float()) for k, v in zip(full_k, full_v,
-                                                                             strict=True)]
+    assert out.dtype == torch.float32 and cache.key_cache.dtype == cache_dtype
+    rounded = [(k.to(cache_dtype).float(), v.to(cache_dtype).float())
+               for k, v in zip(full_k, full_v, strict=True)]
     expected = torch.cat([dense_attention(q, k, v, c, None)
                           for q, (k, v), (c, _) in zip(qs, rounded, seqs, strict=True)])
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -19,18 +19,19 @@ from tests.model.arch_configs import base_config
     ("auto", torch.float32, torch.float32), ("auto", torch.bfloat16, torch.bfloat16),
     ("fp32", torch.float32, torch.float32), ("bf16", torch.bfloat16, torch.bfloat16),
     ("bf16", torch.float32, torch.bfloat16), ("bfloat16", torch.float32, torch.bfloat16),
+    ("fp16", torch.float32, torch.float16), ("half", torch.float32, torch.float16),
     ("fp16", torch.float16, torch.float16)])
-def test_the_cache_takes_the_models_dtype_or_bf16_under_float32(asked, model, cache) -> None:
+def test_the_cache_takes_the_models_dtype_or_16_bits_under_float32(asked, model, cache) -> None:
     assert kv_cache_torch_dtype(EngineArgs(kv_cache_dtype=asked), model) == cache
 
 
-@pytest.mark.parametrize(("asked", "model", "message"), [
-    ("fp16", torch.float32, "a float32 model's attention reads a KV cache in its own dtype or "
-     "bf16; pass --kv-cache-dtype auto or bf16"),
-    ("fp32", torch.bfloat16, "a bfloat16 model's attention reads a KV cache in its own dtype; "
-     "pass --kv-cache-dtype auto, or a --dtype to match")])
-def test_other_pairings_are_refused_with_the_ones_that_work(asked, model, message) -> None:
-    with pytest.raises(ValueError, match=message):
+@pytest.mark.parametrize(("asked", "model"), [
+    ("fp32", torch.bfloat16), ("fp16", torch.bfloat16), ("bf16", torch.float16)])
+def test_other_pairings_are_refused_with_the_ones_that_work(asked, model) -> None:
+    name = str(model).removeprefix("torch.")
+    with pytest.raises(ValueError, match=rf"--kv-cache-dtype {asked}: a {name} model's "
+                       r"attention reads a KV cache in its own dtype \(a float32 model's also "
+                       r"in bf16 or fp16\); pass --kv-cache-dtype auto, or --dtype float32"):
         kv_cache_torch_dtype(EngineArgs(kv_cache_dtype=asked), model)
 
 
@@ -47,25 +48,32 @@ def _llm(model_dir: Path, kv_cache_dtype: str, **overrides: object) -> LLM:
     return LLM(**args)
 
 
-def test_a_bf16_cache_holds_twice_the_blocks_of_the_same_bytes(model_dir: Path) -> None:
+SIXTEEN_BITS = [("bf16", torch.bfloat16), ("fp16", torch.float16)]
+
+
+@pytest.mark.parametrize(("asked", "dtype"), SIXTEEN_BITS)
+def test_a_16_bit_cache_holds_twice_the_blocks_of_the_same_bytes(model_dir: Path, asked: str,
+                                                                  dtype: torch.dtype) -> None:
     pytest.importorskip("gguf")
-    wide, narrow = _llm(model_dir, "auto"), _llm(model_dir, "bf16", kv_host_tier_bytes=1 << 20)
+    wide, narrow = _llm(model_dir, "auto"), _llm(model_dir, asked, kv_host_tier_bytes=1 << 20)
     config = narrow.engine.runner.model.config
-    assert kv_cache_bytes_per_block(config, 4, torch.bfloat16) * 2 == \
+    assert kv_cache_bytes_per_block(config, 4, dtype) * 2 == \
         kv_cache_bytes_per_block(config, 4, torch.float32)
     assert narrow.engine.kv_cache.stats().num_blocks == 2 * wide.engine.kv_cache.stats().num_blocks
     caches = narrow.engine.runner.kv_caches + narrow.engine.runner.host_kv_caches
     assert narrow.engine.runner.host_kv_caches  # the host tier follows the cache's dtype
-    assert all(t.dtype == torch.bfloat16 for c in caches for t in (c.key_cache, c.value_cache))
+    assert all(t.dtype == dtype for c in caches for t in (c.key_cache, c.value_cache))
     assert next(narrow.engine.runner.model.parameters()).dtype == torch.float32
 
 
-def test_a_prefix_cache_hit_reads_what_the_miss_attended_to(model_dir: Path) -> None:
-    """Over a bf16 cache under a float32 model, the first request's prefill attends over its
+@pytest.mark.parametrize(("asked", "dtype"), SIXTEEN_BITS)
+def test_a_prefix_cache_hit_reads_what_the_miss_attended_to(model_dir: Path, asked: str,
+                                                            dtype: torch.dtype) -> None:
+    """Over a 16-bit cache under a float32 model, the first request's prefill attends over its
     fresh K/V rounded as the cache stores them, so the second (a prefix-cache hit reading the
     stored rows) gives the same log-probabilities up to float32 summation order."""
     pytest.importorskip("gguf")
-    llm = _llm(model_dir, "bf16")
+    llm = _llm(model_dir, asked)
     prompt = {"prompt_token_ids": list(range(10, 70))}
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=3)
     miss, hit = (llm.generate([prompt], params, use_tqdm=False)[0] for _ in range(2))

@@ -158,7 +158,7 @@ def test_llm_refuses_vllm_arguments_it_cannot_honour(checkpoints: dict[str, Path
     path = str(checkpoints["llama_gqa"])
     for kwargs, message in [({"quantization": "awq"}, "quantization"),
                             ({"pipeline_parallel_size": 2}, "pipeline_parallel_size"),
-                            ({"kv_cache_dtype": "fp16"}, "reads a KV cache in its own dtype")]:
+                            ({"kv_cache_dtype": "fp8"}, "kvserve has no fp8 KV cache")]:
         with pytest.raises(ValueError, match=message):
             LLM(path, num_kv_blocks=16, num_threads=1, **kwargs)
     with pytest.raises(TypeError, match="no_such_argument"):

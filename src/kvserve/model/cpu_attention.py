@@ -1,9 +1,9 @@
 """kvserve's CPU attention kernels (csrc/attention.c) through ctypes: prefill attention and
 paged decode, computing in float32.
 
-Both take float32 or bfloat16 tensors and return the query's dtype. K and V (and prefill's
-queries) are read in place, bf16 rows widened as they load; a decode's bf16 query, one row a
-sequence, is widened in a copy first.
+Both take float32 or bfloat16 queries (K and V float16 too) and return the query's dtype. K
+and V (and prefill's queries) are read in place, 16-bit rows widened as they load; a decode's
+bf16 query, one row a sequence, is widened in a copy first.
 
 PyTorch's CPU flash-attention kernel reaches 110-200 GFLOP/s on the prefill shapes that dominate
 a shared-prefix step; this one, register-tiled for AVX-512, 300-440 on the same 2-core machine
@@ -38,7 +38,7 @@ class _Args(ctypes.Structure):
         ("num_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
         ("head_dim", ctypes.c_int), ("num_threads", ctypes.c_int),
         ("causal_offset", ctypes.c_long), ("scale", ctypes.c_float),
-        ("q_bf16", ctypes.c_int), ("kv_bf16", ctypes.c_int),
+        ("q_bf16", ctypes.c_int), ("kv_dtype", ctypes.c_int),
     ]
 
 
@@ -53,11 +53,13 @@ class _DecodeArgs(ctypes.Structure):
             "num_decodes", "table_stride", "block_size", "q_stride_t", "q_stride_h")),
         *((name, ctypes.c_int) for name in (
             "num_heads", "num_kv_heads", "head_dim", "num_threads")),
-        ("scale", ctypes.c_float), ("kv_bf16", ctypes.c_int),
+        ("scale", ctypes.c_float), ("kv_dtype", ctypes.c_int),
     ]
 
 
-_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels take (bf16 computed in float32)
+_DTYPES = (torch.float32, torch.bfloat16)  # the queries the kernels take (computed in float32)
+# K/V element types, as csrc/kv_dtype.h codes them (16-bit ones widened as they load).
+KV_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, *,
@@ -69,13 +71,13 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
     strides, last dim contiguous). `causal_offset` None: every query sees every key; else query
     i sees keys j <= i + causal_offset (>= 0). Returns out [q_len, H, hd] (contiguous, query's
     dtype) and, with `with_lse`, lse [q_len, H] (float32 log-sum-exp of each row's scaled
-    scores). Each of the three float32 or bfloat16.
+    scores). query float32 or bfloat16; key and value also float16.
     """
     if query.device.type != "cpu" or query.dtype not in _DTYPES:
         return None
     q_len, num_heads, head_dim = query.shape
     kv_len, num_kv_heads = key.shape[0], key.shape[1]
-    if (head_dim not in HEAD_DIMS or key.dtype not in _DTYPES or value.dtype not in _DTYPES
+    if (head_dim not in HEAD_DIMS or key.dtype not in KV_CODES or value.dtype not in KV_CODES
             or value.shape != key.shape or num_heads % num_kv_heads or not q_len or not kv_len
             or any(t.stride(-1) != 1 for t in (query, key, value))):
         return None
@@ -95,7 +97,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale
                  query.stride(0), query.stride(1), key.stride(0), key.stride(1),
                  value.stride(0), value.stride(1), num_heads, num_kv_heads, head_dim,
                  torch.get_num_threads(), -1 if causal_offset is None else causal_offset,
-                 scale, int(query.dtype == torch.bfloat16), int(key.dtype == torch.bfloat16))
+                 scale, int(query.dtype == torch.bfloat16), KV_CODES[key.dtype])
     status = lib.kvserve_attention(ctypes.addressof(args))
     if status != 0:
         raise MemoryError(f"CPU attention kernel failed (status {status}): out of memory "
@@ -115,7 +117,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     order); decode i attends to positions [starts[i] (0 when None), ends[i]) (int64 [D];
     ends > starts). `prior` (out [D, H, hd], lse [D, H]): a softmax part over other keys (a
     shared head), merged in exactly. Returns [D, H, hd] (contiguous, query's dtype). Caches
-    float32 or bfloat16 (both alike), read in place; a bf16 query is widened first.
+    float32, bfloat16 or float16 (one dtype), read in place; a bf16 query is widened first.
     """
     if query.device.type != "cpu" or query.dtype not in _DTYPES:
         return None
@@ -123,7 +125,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
     num_kv_heads = key_cache.shape[2]
     if (head_dim not in HEAD_DIMS or num_heads % num_kv_heads
             or num_heads // num_kv_heads > MAX_GROUP or query.stride(-1) != 1
-            or key_cache.dtype not in _DTYPES or value_cache.dtype != key_cache.dtype
+            or key_cache.dtype not in KV_CODES or value_cache.dtype != key_cache.dtype
             or not key_cache.is_contiguous() or not value_cache.is_contiguous()
             or tables.dtype != torch.int64 or tables.stride(-1) != 1):
         return None
@@ -147,7 +149,7 @@ def paged_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torc
         None if prior_lse is None else prior_lse.data_ptr(), out.data_ptr(),
         num_decodes, tables.stride(0), key_cache.shape[1], query.stride(0), query.stride(1),
         num_heads, num_kv_heads, head_dim, torch.get_num_threads(), scale,
-        int(key_cache.dtype == torch.bfloat16))
+        KV_CODES[key_cache.dtype])
     if lib.kvserve_paged_decode(ctypes.addressof(args)) != 0:
         return None
     return out.to(dtype)

@@ -9,8 +9,8 @@ layer) costs as much as its matmuls read weights in (docs/benchmarks.md has the 
 fused step calls the same kernels on the same bf16 tensors in the same order, from C, so its
 output is the per-op path's bit for bit (tests/model/test_decode_step.py checks it). It serves
 only what those kernels serve: no LoRA deltas, no tensor parallelism, no q/k norms or sliding
-windows, a KV cache in the model's dtype (or bf16 under a float32 model: the step rounds each
-new K/V row as torch does), no more decodes than the block kernels take a call
+windows, a KV cache in the model's dtype (or bf16 or fp16 under a float32 model: the step
+rounds each new K/V row as torch does), no more decodes than the block kernels take a call
 (KERNEL_MAX_TOKENS) for packed weights, and decodes that share no cascade head (those keep the
 cascade's one read of the head); `FusedDecode.__call__` returns None for anything else, and the
 caller runs the per-op path.
@@ -28,7 +28,7 @@ import torch
 from kvserve.model import cpu_kernels
 from kvserve.model.attention_metadata import AttentionMetadata
 from kvserve.model.bf16_linear import Bf16Linear, kernel_serves_bf16
-from kvserve.model.cpu_attention import HEAD_DIMS, MAX_GROUP
+from kvserve.model.cpu_attention import HEAD_DIMS, KV_CODES, MAX_GROUP
 from kvserve.model.int8_linear import Int8Linear
 from kvserve.model.paged_attention import KVCache
 from kvserve.model.quant_linear import KERNEL_MAX_TOKENS, BlockKernelLinear
@@ -71,7 +71,7 @@ class _StepArgs(ctypes.Structure):
         ("hidden_size", ctypes.c_long), ("intermediate_size", ctypes.c_long),
         ("num_heads", ctypes.c_int), ("num_kv_heads", ctypes.c_int),
         ("head_dim", ctypes.c_int), ("num_threads", ctypes.c_int), ("bf16", ctypes.c_int),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_bf16", ctypes.c_int),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("kv_dtype", ctypes.c_int),
     ]
 
 
@@ -118,6 +118,9 @@ class FusedDecode:
         self.hidden_size = model.norm.weight.shape[0]
         self.dtype = model.norm.weight.dtype
         self._bf16 = int(self.dtype == torch.bfloat16)  # decode_step_args.bf16
+        # The caches it writes: bf16 under bf16 activations; float32, bf16 or fp16 under float32
+        self._cache_dtypes = ((torch.bfloat16,) if self._bf16 else
+                              (torch.float32, torch.bfloat16, torch.float16))
         down = model.layers[0].mlp.packed_down
         assert isinstance(down, Bf16Linear | BlockKernelLinear | Int8Linear)
         self.intermediate_size = down.in_features
@@ -172,7 +175,7 @@ class FusedDecode:
         plan = meta.decode_batch()
         cache = kv_caches[0]
         if (plan is None or meta.decode_cascade(cache.block_size) is not None
-                or cache.key_cache.dtype not in (self.dtype, torch.bfloat16)
+                or cache.key_cache.dtype not in self._cache_dtypes
                 or hidden.dtype != self.dtype
                 or (self.dtype == torch.float32 and hidden.shape[0] > KERNEL_MAX_TOKENS)
                 or not hidden.is_contiguous() or hidden.shape[0] != plan.seq_lens.shape[0]
@@ -190,7 +193,7 @@ class FusedDecode:
             len(self._layers), hidden.shape[0], plan.block_tables.stride(0), cache.block_size,
             self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads,
             self.head_dim, torch.get_num_threads(), self._bf16, self.eps, self.scale,
-            int(cache.key_cache.dtype == torch.bfloat16))
+            KV_CODES[cache.key_cache.dtype])
         status = lib.kvserve_decode_step(ctypes.addressof(args))
         if status != 0:
             raise RuntimeError(f"kvserve's fused decode step failed (status {status}: -2 is "

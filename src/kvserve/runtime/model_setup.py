@@ -21,20 +21,20 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def kv_cache_torch_dtype(args: EngineArgs, model_dtype: torch.dtype) -> torch.dtype:
     """The KV cache's dtype: the model's for "auto"; else the one asked for, where kvserve's
-    attention reads it: the model's own, or bfloat16 under a float32 model (half the bytes a
-    cached token; every attention path widens the rows as it reads them and computes in
+    attention reads it: the model's own, or bfloat16 or float16 under a float32 model (half the
+    bytes a cached token; every attention path widens the rows as it reads them and computes in
     float32). ValueError for any other pairing, naming the ones that work."""
     name = kv_cache_dtype_name(args.kv_cache_dtype)
     if name is None:
         return model_dtype
     wanted = DTYPES[name]
-    if wanted == model_dtype or (wanted == torch.bfloat16 and model_dtype == torch.float32):
+    if wanted == model_dtype or (wanted in (torch.bfloat16, torch.float16)
+                                 and model_dtype == torch.float32):
         return wanted
     model = str(model_dtype).removeprefix("torch.")
-    also = " or bf16" if model_dtype == torch.float32 else ""
     raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: a {model} model's attention "
-                     f"reads a KV cache in its own dtype{also}; pass --kv-cache-dtype auto"
-                     f"{also}, or a --dtype to match")
+                     "reads a KV cache in its own dtype (a float32 model's also in bf16 or "
+                     "fp16); pass --kv-cache-dtype auto, or --dtype float32 with a 16-bit cache")
 
 
 def rank_device(device: str, local_rank: int) -> str:

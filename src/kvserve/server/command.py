@@ -68,8 +68,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "dtype on GPU; half = float16, float = float32)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="the KV cache's dtype: auto (the model's), fp32, bf16 or fp16; the "
-                        "model's dtype, or bf16 under a float32 model (half the bytes a "
-                        "cached token); fp8 is refused")
+                        "model's dtype, or bf16 or fp16 under a float32 model (half the bytes "
+                        "a cached token); fp8 is refused")
     p.add_argument("--gpu-memory-utilization", "--device-memory-utilization", type=float,
                    default=None,
                    help="size the KV cache as this share (0-1] of the device's memory minus "

@@ -2,7 +2,7 @@
  *
  * Contract (kvserve_attention): q [q_len, num_heads, head_dim], k and v [kv_len, num_kv_heads,
  * head_dim], each with its own token and head strides (in elements) and a contiguous last dim;
- * q bfloat16 when q_bf16, k and v when kv_bf16 (else float32; the arithmetic is float32);
+ * q bfloat16 when q_bf16, k and v of type kv_dtype (kv_dtype.h; the arithmetic is float32);
  * num_heads a multiple of num_kv_heads (grouped-query attention: query head h reads kv head
  * h / (num_heads / num_kv_heads)). causal_offset < 0: every query sees every key; else query i
  * sees keys j <= i + causal_offset (0: a chunk over its own keys; kv_len - q_len: a chunk after
@@ -37,7 +37,7 @@ struct attention_args {
     int num_heads, num_kv_heads, head_dim, num_threads;
     long causal_offset;
     float scale;
-    int q_bf16, kv_bf16;
+    int q_bf16, kv_dtype;
 };
 
 #define MAX_GROUP 16 /* query heads per kv head */

@@ -31,10 +31,10 @@ static inline void FN(tile_scores)(const float *restrict qs, const float *restri
 }
 
 /* O[r] = O[r] * alpha[r] + sum_j P[r][j] V[j] for RP rows, j < kn; V's row j at element
- * v_off + j * v_stride of v (bfloat16 when bf16, else float32). */
+ * v_off + j * v_stride of v (its dtype code kv_dt, as load16 takes it). */
 static inline __attribute__((always_inline)) void FN(tile_pv)(
         float *restrict o, const float *restrict p, const void *v, long v_off, long v_stride,
-        int kn, const float *restrict alpha, int bf16) {
+        int kn, const float *restrict alpha, int kv_dt) {
     __m512 acc[RP][NV];
 #pragma GCC unroll 24
     for (int r = 0; r < RP; r++) {
@@ -46,7 +46,7 @@ static inline __attribute__((always_inline)) void FN(tile_pv)(
     for (int j = 0; j < kn; j++) {
         __m512 vj[NV];
 #pragma GCC unroll 8
-        for (int x = 0; x < NV; x++) vj[x] = load16(v, v_off + j * v_stride + 16 * x, bf16);
+        for (int x = 0; x < NV; x++) vj[x] = load16(v, v_off + j * v_stride + 16 * x, kv_dt);
 #pragma GCC unroll 24
         for (int r = 0; r < RP; r++) {
             const __m512 pr = _mm512_set1_ps(p[r * BK + j]);
@@ -63,10 +63,10 @@ static inline __attribute__((always_inline)) void FN(tile_pv)(
 
 /* One block of up to BQ rows of a kv head's row list: row r is query r / G of query head
  * kv_head * G + r % G (G query heads per kv head), so the heads that share K/V share a tile.
- * Always inlined, so each caller's constant kv_bf16 (V's dtype) yields a loop of its own. */
+ * Always inlined, so each caller's constant kv_dtype (V's dtype) yields a loop of its own. */
 static inline __attribute__((always_inline)) void FN(attend_block)(
         const struct attention_args *a, const float *restrict kt_head, long ldk, int kv_head,
-        long r0, int kv_bf16) {
+        long r0, int kv_dtype) {
     float qs[BQ * HD] __attribute__((aligned(64)));
     float s[BQ * BK] __attribute__((aligned(64)));
     float o[BQ * HD] __attribute__((aligned(64)));
@@ -113,7 +113,7 @@ static inline __attribute__((always_inline)) void FN(attend_block)(
         }
         for (int r = 0; r < BQ; r += RP)
             FN(tile_pv)(o + r * HD, s + r * BK, a->v, v_head + k0 * a->v_stride_t,
-                        a->v_stride_t, kn, alpha + r, kv_bf16);
+                        a->v_stride_t, kn, alpha + r, kv_dtype);
     }
     for (int r = 0; r < rows; r++) {
         const long i = (r0 + r) / group;
@@ -139,7 +139,7 @@ static void FN(transpose_keys)(const struct attention_args *a, int kvh, float *r
                 const long row = (j0 + j) * a->k_stride_t + kvh * a->k_stride_h;
                 for (int x = 0; x < NV; x++)
                     _mm512_storeu_ps(buf + j * HD + 16 * x, load16(a->k, row + 16 * x,
-                                                                   a->kv_bf16));
+                                                                   a->kv_dtype));
             } else
                 memset(buf + j * HD, 0, sizeof(float) * HD);
         }
@@ -167,10 +167,12 @@ static int FN(attend)(const struct attention_args *a) {
         /* Last blocks first: under a causal mask they see the most keys. */
         const long block = num_blocks - 1 - item / a->num_kv_heads;
         const int kvh = (int)(item % a->num_kv_heads);
-        if (a->kv_bf16)
-            FN(attend_block)(a, kt + (long)kvh * HD * ldk, ldk, kvh, block * BQ, 1);
+        if (a->kv_dtype == KV_BF16)
+            FN(attend_block)(a, kt + (long)kvh * HD * ldk, ldk, kvh, block * BQ, KV_BF16);
+        else if (a->kv_dtype == KV_F16)
+            FN(attend_block)(a, kt + (long)kvh * HD * ldk, ldk, kvh, block * BQ, KV_F16);
         else
-            FN(attend_block)(a, kt + (long)kvh * HD * ldk, ldk, kvh, block * BQ, 0);
+            FN(attend_block)(a, kt + (long)kvh * HD * ldk, ldk, kvh, block * BQ, KV_F32);
     }
     free(kt);
     return 0;

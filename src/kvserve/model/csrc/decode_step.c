@@ -6,9 +6,10 @@
  * Contract (kvserve_decode_step): D decodes (one new token each, row t of every activation is
  * decode t's), a Llama-family layer stack without q/k norms, sliding windows or LoRA, its
  * activations all bf16 (`bf16` = 1, every projection PROJ_BF16 or PROJ_I8) or all float32
- * (`bf16` = 0, every projection PROJ_Q4, PROJ_Q8 or PROJ_I8), its K/V caches bf16 when
- * `kv_bf16` (required under bf16 activations; under float32 ones each new K/V row is rounded
- * to nearest even as it is stored, as torch rounds) else float32. hidden [D, hidden_size]
+ * (`bf16` = 0, every projection PROJ_Q4, PROJ_Q8 or PROJ_I8), its K/V caches of type
+ * `kv_dtype` (kv_dtype.h): KV_BF16 under bf16 activations; KV_F32, KV_BF16 or KV_F16 under
+ * float32 ones, each new K/V row then rounded to nearest even as it is stored, as torch
+ * rounds). hidden [D, hidden_size]
  * holds the token embeddings on entry and is scratch after; out [D, hidden_size] receives the
  * final norm of the
  * last layer's residual stream. Per layer, in order: input RMSNorm; the fused q/k/v
@@ -26,10 +27,12 @@
  * The AVX2 set (avx2/decode_step.c) compiles this file with DECODE_STEP_BLOCKS_ONLY defined:
  * float32 activations over GGUF blocks only, since that set has no bf16 or int8 matmul; a bf16
  * step or a PROJ_BF16 / PROJ_I8 projection then returns -1. */
+#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kv_dtype.h"
 #include "layer_ops.h"
 #ifndef DECODE_STEP_BLOCKS_ONLY
 #include "vec_math.h"
@@ -64,7 +67,7 @@ struct decode_step_args {
     long num_layers, num_decodes, table_stride, block_size, hidden_size, intermediate_size;
     int num_heads, num_kv_heads, head_dim, num_threads, bf16;
     float eps, scale;
-    int kv_bf16;
+    int kv_dtype;
 };
 
 #ifndef DECODE_STEP_BLOCKS_ONLY
@@ -91,15 +94,24 @@ static inline uint16_t to_bf16(float f) {
     return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0 : rounded;
 }
 
-/* Stores a K or V row of n activations (float32 unless bf) at dst in the cache's dtype. */
-static void store_kv(const char *row, void *dst, long n, int bf, int kv_bf16) {
-    if (bf == kv_bf16) {
+/* Stores a K or V row of n activations (float32 unless bf) at dst in the cache's type: a copy
+ * where the two agree, else float32 rounded to bf16 or (F16C, nearest even) to fp16. */
+static void store_kv(const char *row, void *dst, long n, int bf, int kv_dtype) {
+    if (bf || kv_dtype == KV_F32) {
         memcpy(dst, row, (size_t)n * (bf ? 2 : 4));
         return;
     }
     const float *x = (const float *)row;
     uint16_t *y = dst;
-    for (long i = 0; i < n; i++) y[i] = to_bf16(x[i]);
+    if (kv_dtype == KV_BF16) {
+        for (long i = 0; i < n; i++) y[i] = to_bf16(x[i]);
+        return;
+    }
+    long i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(y + i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
 #define CHECK(call)              \
@@ -144,8 +156,10 @@ int kvserve_decode_step(const struct decode_step_args *a) {
     const long qkv_n = q_size + 2 * kv_size;
     const int th = a->num_threads, bf = a->bf16;
     const long es = bf ? 2 : 4;  /* bytes an activation element */
-    const long ks = a->kv_bf16 ? 2 : 4;  /* bytes a cache element */
-    if (q_size % 16 || (bf && !HAS_BF16_INT8) || (bf && !a->kv_bf16)) return -1;
+    const long ks = a->kv_dtype == KV_F32 ? 4 : 2;  /* bytes a cache element */
+    if (q_size % 16 || (bf && !HAS_BF16_INT8) || (bf && a->kv_dtype != KV_BF16) ||
+        (unsigned)a->kv_dtype > KV_F16)
+        return -1;
     /* Scratch in the activations' dtype: residual partner [D, hid], normed [D, hid], qkv
      * [D, qkv_n], attention out [D, q_size], gate_up [D, 2 * inter], act [D, inter]; for bf16
      * also q and the attention out in float32 [D, q_size] each (paged decode's dtype). */
@@ -171,9 +185,9 @@ int kvserve_decode_step(const struct decode_step_args *a) {
         for (long t = 0; t < d_n; t++) {
             const char *row = qkv + t * qkv_n * es;
             store_kv(row + q_size * es, (char *)w->k_cache + a->slots[t] * kv_size * ks, kv_size,
-                     bf, a->kv_bf16);
+                     bf, a->kv_dtype);
             store_kv(row + (q_size + kv_size) * es,
-                     (char *)w->v_cache + a->slots[t] * kv_size * ks, kv_size, bf, a->kv_bf16);
+                     (char *)w->v_cache + a->slots[t] * kv_size * ks, kv_size, bf, a->kv_dtype);
             if (bf) widen((const uint16_t *)row, q32 + t * q_size, q_size);
         }
         const struct decode_args dec = {
@@ -183,7 +197,7 @@ int kvserve_decode_step(const struct decode_step_args *a) {
             .table_stride = a->table_stride, .block_size = a->block_size,
             .q_stride_t = bf ? q_size : qkv_n, .q_stride_h = a->head_dim,
             .num_heads = a->num_heads, .num_kv_heads = a->num_kv_heads,
-            .head_dim = a->head_dim, .num_threads = th, .scale = a->scale, .kv_bf16 = a->kv_bf16};
+            .head_dim = a->head_dim, .num_threads = th, .scale = a->scale, .kv_dtype = a->kv_dtype};
         CHECK(kvserve_paged_decode(&dec));
         if (bf) narrow(att32, (uint16_t *)att, d_n * q_size);
         CHECK(project(&w->o, att, q_size, d_n, hid, q_size, other, hid, th, bf));

@@ -5,10 +5,10 @@
 #define FN(name) CAT(name, HD)
 
 /* One (decode, kv head): its group's query heads over the decode's keys, read in place from the
- * paged cache (bf16: a bfloat16 one, else float32), starting from the prior softmax part when
- * there is one. Always inlined, so each caller's constant bf16 yields a loop of its own. */
+ * paged cache (kv_dt: its dtype code, as load16 takes it), starting from the prior softmax part
+ * when there is one. Always inlined, so each caller's constant kv_dt yields a loop of its own. */
 static inline __attribute__((always_inline)) void FN(decode_item)(const struct decode_args *a,
-                                                                  long i, int kvh, int bf16) {
+                                                                  long i, int kvh, int kv_dt) {
     const int group = a->num_heads / a->num_kv_heads;
     float qv[MAX_GROUP * HD] __attribute__((aligned(64)));
     float o[MAX_GROUP * HD] __attribute__((aligned(64)));
@@ -40,7 +40,7 @@ static inline __attribute__((always_inline)) void FN(decode_item)(const struct d
             const long kp = paged_offset(table, pos, a->block_size, row_stride) + kvh * HD;
             __m512 kx[NV];
 #pragma GCC unroll 8
-            for (int x = 0; x < NV; x++) kx[x] = load16(a->k_cache, kp + 16 * x, bf16);
+            for (int x = 0; x < NV; x++) kx[x] = load16(a->k_cache, kp + 16 * x, kv_dt);
             for (int r = 0; r < group; r++) {
                 __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(qv + r * HD), kx[0]);
 #pragma GCC unroll 8
@@ -63,7 +63,7 @@ static inline __attribute__((always_inline)) void FN(decode_item)(const struct d
             const long vp = paged_offset(table, pos, a->block_size, row_stride) + kvh * HD;
             __m512 vx[NV];
 #pragma GCC unroll 8
-            for (int x = 0; x < NV; x++) vx[x] = load16(a->v_cache, vp + 16 * x, bf16);
+            for (int x = 0; x < NV; x++) vx[x] = load16(a->v_cache, vp + 16 * x, kv_dt);
             for (int r = 0; r < group; r++) {
                 const __m512 pr = _mm512_set1_ps(sc[r * DCH + j]);
 #pragma GCC unroll 8
@@ -92,10 +92,12 @@ static int FN(decode)(const struct decode_args *a) {
     for (long item = 0; item < items; item++) {
         const long i = item / a->num_kv_heads;
         const int kvh = (int)(item % a->num_kv_heads);
-        if (a->kv_bf16)
-            FN(decode_item)(a, i, kvh, 1);
+        if (a->kv_dtype == KV_BF16)
+            FN(decode_item)(a, i, kvh, KV_BF16);
+        else if (a->kv_dtype == KV_F16)
+            FN(decode_item)(a, i, kvh, KV_F16);
         else
-            FN(decode_item)(a, i, kvh, 0);
+            FN(decode_item)(a, i, kvh, KV_F32);
     }
     return 0;
 }

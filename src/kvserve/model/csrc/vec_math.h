@@ -7,6 +7,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kv_dtype.h"
+
 /* 2^x for x <= 0 (x - row max); exactly 0 below -126, where -inf (a masked key) lands too.
  * Degree-7 Taylor polynomial of 2^f on |f| <= 1/2: relative error about 5e-9. */
 static inline __m512 exp2_ps(__m512 x) {
@@ -58,12 +60,14 @@ static inline __m512 round_bf16(__m512 v) {
     return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), nan, _mm512_set1_ps(NAN));
 }
 
-/* 16 elements from element off on of a float32 array, or (bf16) of a bfloat16 one, as float32:
- * bfloat16 is float32's upper half, so widening is exact. */
-static inline __m512 load16(const void *p, long off, int bf16) {
-    if (bf16)
+/* 16 elements from element off on of an array of type dt (KV_F32, KV_BF16 or KV_F16), as
+ * float32; widening either 16-bit type is exact. */
+static inline __m512 load16(const void *p, long off, int dt) {
+    if (dt == KV_BF16)
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
             _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + off))), 16));
+    if (dt == KV_F16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + off)));
     return _mm512_loadu_ps((const float *)p + off);
 }
 

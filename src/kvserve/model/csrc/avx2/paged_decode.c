@@ -1,5 +1,5 @@
 /* Paged decode attention for x86-64 CPUs with AVX2 and FMA (no AVX-512), float32 arithmetic
- * over a float32 or bfloat16 cache: the kvserve_paged_decode kernel of ../attention.c (the
+ * over a float32, bfloat16 or float16 cache: the kvserve_paged_decode kernel of ../attention.c (the
  * struct and contract of ../paged_decode.h, the same results up to float rounding) at 8 lanes,
  * one loop over the head dim instead of an instance per head dim.
  *
@@ -64,7 +64,7 @@ static inline __m256 hsum8(const __m256 *a) {
 /* Scores of one query head (qr, hd floats) against the chunk's keys at element offsets
  * kp[0, n): eight keys at a time, one accumulator a key, their sums transposed together. */
 static inline __attribute__((always_inline)) void chunk_scores(
-    const float *qr, const void *k_cache, const long *kp, int n, int nv, int bf16, float *sc) {
+    const float *qr, const void *k_cache, const long *kp, int n, int nv, int kv_dt, float *sc) {
     int j = 0;
     for (; j + 8 <= n; j += 8) {
         __m256 acc[8];
@@ -74,14 +74,14 @@ static inline __attribute__((always_inline)) void chunk_scores(
             const __m256 qx = _mm256_load_ps(qr + 8 * x);
 #pragma GCC unroll 8
             for (int k = 0; k < 8; k++)
-                acc[k] = _mm256_fmadd_ps(qx, load8(k_cache, kp[j + k] + 8 * x, bf16), acc[k]);
+                acc[k] = _mm256_fmadd_ps(qx, load8(k_cache, kp[j + k] + 8 * x, kv_dt), acc[k]);
         }
         _mm256_store_ps(sc + j, hsum8(acc));
     }
     for (; j < n; j++) {
         __m256 acc = _mm256_setzero_ps();
         for (int x = 0; x < nv; x++)
-            acc = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * x), load8(k_cache, kp[j] + 8 * x, bf16),
+            acc = _mm256_fmadd_ps(_mm256_load_ps(qr + 8 * x), load8(k_cache, kp[j] + 8 * x, kv_dt),
                                   acc);
         sc[j] = reduce_add(acc);
     }
@@ -91,7 +91,7 @@ static inline __attribute__((always_inline)) void chunk_scores(
  * in registers across the chunk's keys. */
 static inline __attribute__((always_inline)) void chunk_values(
     float *orow, const float *p, const void *v_cache, const long *vp, int n, int x0, int w,
-    int bf16) {
+    int kv_dt) {
     __m256 acc[8];
 #pragma GCC unroll 8
     for (int x = 0; x < w; x++) acc[x] = _mm256_load_ps(orow + 8 * x);
@@ -99,7 +99,7 @@ static inline __attribute__((always_inline)) void chunk_values(
         const __m256 pj = _mm256_broadcast_ss(p + j);
 #pragma GCC unroll 8
         for (int x = 0; x < w; x++)
-            acc[x] = _mm256_fmadd_ps(pj, load8(v_cache, vp[j] + 8 * (x0 + x), bf16), acc[x]);
+            acc[x] = _mm256_fmadd_ps(pj, load8(v_cache, vp[j] + 8 * (x0 + x), kv_dt), acc[x]);
     }
 #pragma GCC unroll 8
     for (int x = 0; x < w; x++) _mm256_store_ps(orow + 8 * x, acc[x]);
@@ -108,26 +108,26 @@ static inline __attribute__((always_inline)) void chunk_values(
 /* One head's output row over the chunk, in register-held slices of up to 8 vectors (a head dim
  * is a multiple of 16, so a slice is 2, 4, 6 or 8 vectors: constants, one loop each). */
 static inline __attribute__((always_inline)) void chunk_head_values(
-    float *orow, const float *p, const void *v_cache, const long *vp, int n, int nv, int bf16) {
+    float *orow, const float *p, const void *v_cache, const long *vp, int n, int nv, int kv_dt) {
     for (int x0 = 0; x0 < nv; x0 += 8) {
         float *o = orow + 8 * x0;
         switch (nv - x0 < 8 ? nv - x0 : 8) {
-        case 8: chunk_values(o, p, v_cache, vp, n, x0, 8, bf16); break;
-        case 6: chunk_values(o, p, v_cache, vp, n, x0, 6, bf16); break;
-        case 4: chunk_values(o, p, v_cache, vp, n, x0, 4, bf16); break;
-        default: chunk_values(o, p, v_cache, vp, n, x0, 2, bf16); break;
+        case 8: chunk_values(o, p, v_cache, vp, n, x0, 8, kv_dt); break;
+        case 6: chunk_values(o, p, v_cache, vp, n, x0, 6, kv_dt); break;
+        case 4: chunk_values(o, p, v_cache, vp, n, x0, 4, kv_dt); break;
+        default: chunk_values(o, p, v_cache, vp, n, x0, 2, kv_dt); break;
         }
     }
 }
 
 /* Decode i's kv head kvh over positions [start, end) (with the prior part when `prior`): its
  * group's normalized outputs at out (head-major, hd each) and, when lse is not NULL, each
- * head's log-sum-exp (natural log) there. Always inlined, so each caller's constant bf16
+ * head's log-sum-exp (natural log) there. Always inlined, so each caller's constant kv_dt
  * yields a loop of its own. */
 static inline __attribute__((always_inline)) void decode_item(const struct decode_args *a,
                                                               long i, int kvh, long start,
                                                               long end, int prior, float *out,
-                                                              float *lse, int bf16) {
+                                                              float *lse, int kv_dt) {
     const int hd = a->head_dim, nv = hd / 8, group = a->num_heads / a->num_kv_heads;
     float qv[MAX_GROUP * MAX_HD] __attribute__((aligned(32)));
     float o[MAX_GROUP * MAX_HD] __attribute__((aligned(32)));
@@ -157,13 +157,13 @@ static inline __attribute__((always_inline)) void decode_item(const struct decod
         for (int j = 0; j < n; j++)
             rows[j] = paged_offset(table, p0 + j, a->block_size, row_stride) + kvh * hd;
         for (int r = 0; r < group; r++) {
-            chunk_scores(qv + r * hd, a->k_cache, rows, n, nv, bf16, sc);
+            chunk_scores(qv + r * hd, a->k_cache, rows, n, nv, kv_dt, sc);
             for (int j = n; j < n_pad; j++) sc[j] = -INFINITY;
             const __m256 av = _mm256_set1_ps(online_softmax_block(sc, n_pad, m + r, l + r));
             for (int x = 0; x < nv; x++)
                 _mm256_store_ps(o + r * hd + 8 * x,
                                 _mm256_mul_ps(_mm256_load_ps(o + r * hd + 8 * x), av));
-            chunk_head_values(o + r * hd, sc, a->v_cache, rows, n, nv, bf16);
+            chunk_head_values(o + r * hd, sc, a->v_cache, rows, n, nv, kv_dt);
         }
     }
     for (int r = 0; r < group; r++) {
@@ -199,12 +199,13 @@ static int decode_split(const struct decode_args *a, int parts) {
             for (int r = 0; r < group; r++) part_lse[at + r] = -INFINITY;
             continue;
         }
-        if (a->kv_bf16)
-            decode_item(a, i, kvh, lo, hi, p == 0 && a->prior_out, part_out + at * hd,
-                        part_lse + at, 1);
+        const int prior = p == 0 && a->prior_out;
+        if (a->kv_dtype == KV_BF16)
+            decode_item(a, i, kvh, lo, hi, prior, part_out + at * hd, part_lse + at, KV_BF16);
+        else if (a->kv_dtype == KV_F16)
+            decode_item(a, i, kvh, lo, hi, prior, part_out + at * hd, part_lse + at, KV_F16);
         else
-            decode_item(a, i, kvh, lo, hi, p == 0 && a->prior_out, part_out + at * hd,
-                        part_lse + at, 0);
+            decode_item(a, i, kvh, lo, hi, prior, part_out + at * hd, part_lse + at, KV_F32);
     }
     for (long i = 0; i < a->num_decodes; i++)
         for (int h = 0; h < a->num_heads; h++) {
@@ -247,10 +248,14 @@ int kvserve_paged_decode(const struct decode_args *a) {
         const long start = a->starts ? a->starts[i] : 0;
         float *out = a->out + (i * a->num_heads + (long)kvh * (a->num_heads / a->num_kv_heads))
                                   * hd;
-        if (a->kv_bf16)
-            decode_item(a, i, kvh, start, a->ends[i], a->prior_out != NULL, out, NULL, 1);
+        const long end = a->ends[i];
+        const int prior = a->prior_out != NULL;
+        if (a->kv_dtype == KV_BF16)
+            decode_item(a, i, kvh, start, end, prior, out, NULL, KV_BF16);
+        else if (a->kv_dtype == KV_F16)
+            decode_item(a, i, kvh, start, end, prior, out, NULL, KV_F16);
         else
-            decode_item(a, i, kvh, start, a->ends[i], a->prior_out != NULL, out, NULL, 0);
+            decode_item(a, i, kvh, start, end, prior, out, NULL, KV_F32);
     }
     return 0;
 }

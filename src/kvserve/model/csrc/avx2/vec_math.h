@@ -7,6 +7,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "../kv_dtype.h"
+
 static inline float reduce_add(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -53,11 +55,14 @@ static inline __m256 round_bf16(__m256 v) {
                             _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
 }
 
-/* 8 elements from element off on of a float32 array, or (bf16) of a bfloat16 one, as float32. */
-static inline __m256 load8(const void *p, long off, int bf16) {
-    if (bf16)
+/* 8 elements from element off on of an array of type dt (KV_F32, KV_BF16 or KV_F16), as
+ * float32 (exact). */
+static inline __m256 load8(const void *p, long off, int dt) {
+    if (dt == KV_BF16)
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(
             _mm_loadu_si128((const __m128i *)((const uint16_t *)p + off))), 16));
+    if (dt == KV_F16)
+        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + off)));
     return _mm256_loadu_ps((const float *)p + off);
 }
 
