@@ -143,6 +143,22 @@ def test_steps_with_tensor_parallel_ranks_take_the_per_op_path(fused_calls):
 
 
 @needs_block_kernels
+def test_a_model_given_lora_deltas_or_an_all_reduce_after_building_takes_the_per_op_path(
+        fused_calls):
+    """Both are set on the layers after the fused step is built; each step sees them."""
+    model = block_model(7, "Q4_1")
+    layer = model.model.layers[2]
+    layer.mlp.lora = object()  # only checked against None before any use
+    assert model.model.fused_decode is not None and not model.model.fused_decode._plain()
+    layer.mlp.lora = None
+    model.set_all_reduce(lambda t: t)  # a one-rank group
+    got = run_steps(model, fused=True)
+    assert fused_calls and not any(fused_calls)
+    model.set_all_reduce(None)
+    assert_same(got, run_steps(model, fused=False))
+
+
+@needs_block_kernels
 @pytest.mark.parametrize(("ggml_type", "arch"), [("Q4_1", "plain"), ("Q8_0", "biases")])
 def test_packed_blocks_equal_the_per_op_path_bit_for_bit(ggml_type, arch, fused_calls):
     overrides = {"attention_bias": True, "mlp_bias": True} if arch == "biases" else {}
