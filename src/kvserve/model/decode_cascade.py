@@ -48,9 +48,7 @@ def cascade_decode(query: torch.Tensor, kv_cache: KVCache, plan: DecodeCascade,
     flash-kernel path), the rest the portable one (see the module docstring)."""
     cache_dtype = kv_cache.key_cache.dtype
     if query.device.type == "cpu" and query.dtype in (torch.float32, torch.bfloat16) \
-            and (cache_dtype == query.dtype or (query.dtype == torch.float32
-                                                and cache_dtype in (torch.bfloat16,
-                                                                    torch.float16))):
+            and cache_dtype in cpu_attention.KV_CODES:  # a cache the kernels read
         # The head's K/V gathered once, for whichever CPU path serves the call.
         k_head = kv_cache.key_cache.index_select(0, plan.head_block_ids).flatten(0, 1)
         v_head = kv_cache.value_cache.index_select(0, plan.head_block_ids).flatten(0, 1)

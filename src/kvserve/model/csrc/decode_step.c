@@ -36,6 +36,8 @@
 #include "layer_ops.h"
 #ifndef DECODE_STEP_BLOCKS_ONLY
 #include "vec_math.h"
+#else
+#include "avx2/vec_math.h"
 #endif
 
 enum { PROJ_BF16 = 0, PROJ_Q4 = 1, PROJ_Q8 = 2, PROJ_I8 = 3 };
@@ -70,8 +72,9 @@ struct decode_step_args {
     int kv_dtype;
 };
 
+/* bf16 [n] -> float32 [n] (exact), and float32 -> bf16 rounded to nearest even as torch rounds
+ * (each set's store with round_bf16); n % 16 == 0. */
 #ifndef DECODE_STEP_BLOCKS_ONLY
-/* bf16 [n] -> float32 [n] (exact), and float32 -> bf16 rounded to nearest even; n % 16 == 0. */
 static void widen(const uint16_t *src, float *dst, long n) {
     for (long i = 0; i < n; i += 16) _mm512_storeu_ps(dst + i, load16(src, i, 1));
 }
@@ -79,39 +82,30 @@ static void narrow(const float *src, uint16_t *dst, long n) {
     for (long i = 0; i < n; i += 16) store16(dst, i, _mm512_loadu_ps(src + i), 1);
 }
 #define HAS_BF16_INT8 1
-#else /* never called: a bf16 step is refused first */
-static void widen(const uint16_t *src, float *dst, long n) { (void)src, (void)dst, (void)n; }
-static void narrow(const float *src, uint16_t *dst, long n) { (void)src, (void)dst, (void)n; }
+#else
+static void widen(const uint16_t *src, float *dst, long n) {  /* never called: bf16 refused */
+    (void)src, (void)dst, (void)n;
+}
+static void narrow(const float *src, uint16_t *dst, long n) {
+    for (long i = 0; i < n; i += 8) store8(dst, i, _mm256_loadu_ps(src + i), 1);
+}
 #define HAS_BF16_INT8 0
 #endif
 
-/* float32 -> bfloat16, rounded to nearest even as torch rounds (a NaN becomes 0x7FC0);
- * branch-free, so the store loop below vectorizes. */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    const uint16_t rounded = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-    return (u & 0x7FFFFFFFu) > 0x7F800000u ? (uint16_t)0x7FC0 : rounded;
-}
-
-/* Stores a K or V row of n activations (float32 unless bf) at dst in the cache's type: a copy
- * where the two agree, else float32 rounded to bf16 or (F16C, nearest even) to fp16. */
+/* Stores a K or V row of n activations (float32 unless bf; n % 16 == 0) at dst in the cache's
+ * type: a copy where the two agree, else float32 rounded to nearest even into bf16 (`narrow`)
+ * or, by F16C, into fp16. */
 static void store_kv(const char *row, void *dst, long n, int bf, int kv_dtype) {
     if (bf || kv_dtype == KV_F32) {
         memcpy(dst, row, (size_t)n * (bf ? 2 : 4));
-        return;
+    } else if (kv_dtype == KV_BF16) {
+        narrow((const float *)row, dst, n);
+    } else {
+        for (long i = 0; i < n; i += 8)
+            _mm_storeu_si128((__m128i *)((uint16_t *)dst + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps((const float *)row + i),
+                                             _MM_FROUND_TO_NEAREST_INT));
     }
-    const float *x = (const float *)row;
-    uint16_t *y = dst;
-    if (kv_dtype == KV_BF16) {
-        for (long i = 0; i < n; i++) y[i] = to_bf16(x[i]);
-        return;
-    }
-    long i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(y + i),
-                         _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
-    for (; i < n; i++) y[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
 }
 
 #define CHECK(call)              \
@@ -157,8 +151,8 @@ int kvserve_decode_step(const struct decode_step_args *a) {
     const int th = a->num_threads, bf = a->bf16;
     const long es = bf ? 2 : 4;  /* bytes an activation element */
     const long ks = a->kv_dtype == KV_F32 ? 4 : 2;  /* bytes a cache element */
-    if (q_size % 16 || (bf && !HAS_BF16_INT8) || (bf && a->kv_dtype != KV_BF16) ||
-        (unsigned)a->kv_dtype > KV_F16)
+    if (q_size % 16 || kv_size % 16 || (bf && !HAS_BF16_INT8) ||
+        (bf && a->kv_dtype != KV_BF16) || (unsigned)a->kv_dtype > KV_F16)
         return -1;
     /* Scratch in the activations' dtype: residual partner [D, hid], normed [D, hid], qkv
      * [D, qkv_n], attention out [D, q_size], gate_up [D, 2 * inter], act [D, inter]; for bf16
