@@ -26,6 +26,7 @@ from benchmarks import (
     real_chats_cli,
     real_structured_cli,
     router_cpu_cli,
+    sampling_cli,
     server_path_cli,
     structured_cli,
     text_capacity_cli,
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     precision_cli.add_parser(commands)
     knobs_cli.add_parser(commands)
     text_capacity_cli.add_parser(commands)
+    sampling_cli.add_parser(commands)
     return parser
 
 

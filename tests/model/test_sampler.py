@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -119,3 +120,80 @@ def test_release_forgets_generators():
     sampler.sample(logits_for(1), [req("g", seed=1)])
     sampler.release(["g", "unknown"])
     assert not sampler._generators
+
+
+def reference_head(logits: torch.Tensor, top_k: int, top_p: float) -> set[int]:
+    """The kept set as a full descending sort defines it (the sampler's rule before it ranked
+    a window): the first top_k, cut where the mass before a token reaches top_p."""
+    order = logits.double().sort(descending=True).indices
+    probs = logits.double().softmax(-1)[order]
+    before = probs.cumsum(-1) - probs
+    keep = [i for i in range(len(order)) if i < top_k and (i == 0 or before[i] < top_p)]
+    return set(order[keep].tolist())
+
+
+@pytest.mark.parametrize("vocab,top_k,top_p,scale,widens", [
+    (5000, 0, 0.9, 3.0, False),      # a head inside the window
+    (5000, 0, 0.999, 0.05, True),    # a near-flat row: every token ranked
+    (30000, 0, 0.6, 1.0, True),      # a head of ~7k tokens: inside the once-widened window
+    (30000, 0, 0.9, 1.0, True),      # ~18k: past that too, every token ranked
+    (5000, 2000, 0.999, 0.05, True),  # ... up to top-k
+    (5000, 40, 1.0, 1.0, False),     # top-k alone
+    (300, 0, 0.5, 2.0, False),       # a row shorter than the window
+])
+def test_the_kept_head_equals_a_full_sort(vocab, top_k, top_p, scale, widens):
+    from kvserve.model.sampler import WINDOW, _kept_head
+    for seed in range(5):
+        logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * scale
+        k = top_k if 0 < top_k < vocab else vocab
+        head = _kept_head(logits.numpy(), np.float32(1.0), k, top_p)
+        assert set(head.tolist()) == reference_head(logits, k, top_p)
+        assert (logits[head].diff() <= 0).all()  # best first
+        assert (len(head) > WINDOW) == widens
+
+
+def test_draws_follow_the_probabilities_exactly_on_a_grid_of_uniforms():
+    """The inverse CDF: N evenly spaced uniforms give each kept token N * p of the draws (+-1),
+    p renormalized over what top-k, top-p and min-p keep."""
+    from kvserve.model.sampler import draw
+    logits = torch.log(torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04]))
+    n = 10_000
+    cases = [  # params, the probabilities the draws must follow
+        (SamplingParams(temperature=1.0), [0.4, 0.25, 0.15, 0.1, 0.06, 0.04]),
+        (SamplingParams(temperature=1.0, top_k=2), [0.4 / 0.65, 0.25 / 0.65, 0, 0, 0, 0]),
+        (SamplingParams(temperature=1.0, top_p=0.7), [0.4 / 0.8, 0.25 / 0.8, 0.15 / 0.8, 0, 0,
+                                                      0]),
+        (SamplingParams(temperature=1.0, min_p=0.3), [0.4 / 0.8, 0.25 / 0.8, 0.15 / 0.8, 0, 0,
+                                                      0]),
+    ]
+    for params, expected in cases:
+        counts = [0] * 6
+        for i in range(n):
+            counts[draw(logits.numpy(), params, (i + 0.5) / n)] += 1
+        assert all(abs(c - n * p) <= 1 for c, p in zip(counts, expected, strict=True)), \
+            (params, counts)
+    hot = torch.softmax(logits / 2.0, -1).tolist()  # temperature 2 flattens the row
+    counts = [0] * 6
+    for i in range(n):
+        counts[draw(logits.numpy(), SamplingParams(temperature=2.0), (i + 0.5) / n)] += 1
+    assert all(abs(c - n * p) <= 1 for c, p in zip(counts, hot, strict=True)), counts
+
+
+def test_a_row_with_no_probability_left_is_a_clear_error():
+    from kvserve.model.sampler import draw
+    masked = torch.full((8,), float("-inf"))
+    with pytest.raises(RuntimeError, match="cannot sample"):
+        draw(masked.numpy(), SamplingParams(temperature=1.0), 0.5)
+
+
+def test_draws_over_a_long_row_follow_the_probabilities_across_blocks():
+    """Past CDF_BLOCK tokens the CDF is found a block at a time: on a grid of N uniforms every
+    token still gets N * p of the draws (+-1), whatever block it is in."""
+    from kvserve.model.sampler import CDF_BLOCK, draw
+    vocab, n = 3 * CDF_BLOCK + 77, 20_000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(2)) * 2
+    probs = torch.softmax(logits.double(), -1)
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for i in range(n):
+        counts[draw(logits.numpy(), SamplingParams(temperature=1.0), (i + 0.5) / n)] += 1
+    assert (counts - n * probs).abs().max() <= 1.0 + 1e-6

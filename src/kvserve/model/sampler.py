@@ -2,13 +2,21 @@
 top-k/top-p/min-p, seeds, logprobs.
 
 Every request samples from its own `torch.Generator`, seeded from its `seed` when it has one, so
-a seeded request draws the same tokens whatever else shares its batch.
+a seeded request draws the same tokens whatever else shares its batch: one uniform a token,
+mapped through the inverse CDF of what the filters keep (`draw`).
+
+The rows are read as numpy arrays: over a 49k vocabulary torch's CPU argmax, sort and
+multinomial cost 0.1, 4 and 1.3 ms a row where numpy's argmax, a partition of the best 1,024
+tokens and one cumulative sum cost a few hundredths to a few tenths (docs/benchmarks.md,
+"Sampling cost per token").
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvserve.engine import Request, SampledToken, SamplingParams, TokenLogprob
@@ -42,22 +50,21 @@ class Sampler:
         logits = self._apply_penalties(logits, requests)
         if self.grammar_masks is not None:
             self.grammar_masks.apply(logits, requests)  # greedy and random rows alike
-        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-
+        rows = logits.detach().to("cpu").numpy()  # [num_requests, vocab] float32, no copy on CPU
         greedy = [i for i, r in enumerate(requests) if r.sampling_params.is_greedy]
-        if greedy and len(greedy) == len(requests):  # all greedy: no copy of the rows
-            token_ids = logits.argmax(dim=-1)
-        elif greedy:
-            token_ids[greedy] = logits[greedy].argmax(dim=-1)
-        random = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
-        if random:
-            probs = self._filtered_probs(logits[random], [requests[i].sampling_params
-                                                           for i in random])
-            for row, i in enumerate(random):
-                gen = self._generator(requests[i])
-                token_ids[i] = torch.multinomial(probs[row], 1, generator=gen)[0]
+        tokens = [0] * len(requests)
+        if greedy:  # the first of equal maxima, as torch.argmax (a NaN counts as the maximum)
+            best = rows.argmax(axis=-1) if len(greedy) == len(requests) else \
+                rows[greedy].argmax(axis=-1)
+            for i, token in zip(greedy, best.tolist(), strict=True):
+                tokens[i] = token
+        for i, request in enumerate(requests):
+            if not request.sampling_params.is_greedy:
+                gen = self._generator(request)
+                uniform = float(torch.rand((), generator=gen, device=gen.device,
+                                           dtype=torch.float64))
+                tokens[i] = draw(rows[i], request.sampling_params, uniform)
 
-        tokens = token_ids.tolist()
         out = []
         for i, request in enumerate(requests):
             logprob = None
@@ -105,28 +112,92 @@ class Sampler:
                 row -= params.presence_penalty * (counts > 0).to(row.dtype)
         return logits
 
-    @staticmethod
-    def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """Probabilities after temperature, top-k, top-p and min-p; [rows, vocab]."""
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-        logits = logits / temperature.unsqueeze(1)
-        vocab = logits.shape[1]
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
-                             device=logits.device)
-        top_p = torch.tensor([p.top_p for p in params], device=logits.device)
-        min_p = torch.tensor([p.min_p for p in params], device=logits.device)
-        if bool((top_k < vocab).any()) or bool((top_p < 1.0).any()):
-            sorted_logits, order = logits.sort(dim=-1, descending=True)  # [rows, vocab]
-            ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
-            drop = ranks >= top_k.unsqueeze(1)
-            sorted_probs = sorted_logits.softmax(dim=-1)
-            # Keep the smallest head whose mass reaches top_p (the first token always stays).
-            mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            drop |= mass_before >= top_p.unsqueeze(1)
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-        probs = logits.softmax(dim=-1)
-        if bool((min_p > 0).any()):
-            threshold = min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
-        return probs
+
+WINDOW = 1024  # tokens ranked first for top-p (a partition: one pass, then a small sort)
+GROWTH = 8  # a head that fills the window is ranked again in one GROWTH times wider
+CDF_BLOCK = 1024  # weights summed a block at a time before the draw's running sum
+TOP_P_SLACK = 1e-6  # a head's mass this close to top_p reaches it (float32 rounding of sums)
+
+
+def draw(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:
+    """One token from logits [vocab] (float32) under temperature, top-k, top-p and min-p, by
+    the inverse CDF at `uniform` in [0, 1): top-k keeps the k best; top-p the smallest head
+    whose mass (of the whole row's softmax) reaches top_p, the first token always; min-p then
+    drops the tokens under min_p times the best one's probability; the rest are drawn in
+    proportion to their probabilities. Whole-row passes stay in float32 (numpy's float64 exp
+    is several times slower); sums are float64. RuntimeError where no token has a
+    probability (NaN, +inf, or all -inf)."""
+    top = float(logits.max())
+    if not math.isfinite(top):
+        raise RuntimeError("cannot sample: the logits hold NaN or +inf, or every token is -inf "
+                           "after penalties and grammar masks")
+    vocab = logits.shape[0]
+    inv_t = np.float32(1.0 / params.temperature)
+    top_k = params.top_k if 0 < params.top_k < vocab else vocab
+    ids = None
+    if top_k < vocab or params.top_p < 1.0:
+        ids = _kept_head(logits, inv_t, top_k, params.top_p)  # best first
+        weights = np.exp((logits[ids] - logits[ids[0]]) * inv_t)
+    else:
+        weights = _scaled_exp(logits, top, inv_t)
+    if params.min_p > 0.0:
+        weights[weights < np.float32(params.min_p) * weights.max()] = 0.0
+    j = _inverse_cdf(weights, uniform)
+    return int(ids[j]) if ids is not None else j
+
+
+def _scaled_exp(logits: np.ndarray, top: float, inv_t: np.float32) -> np.ndarray:
+    """exp((logits - top) / temperature), float32, computed in one new array."""
+    out = logits - np.float32(top)
+    out *= inv_t
+    return np.exp(out, out=out)
+
+
+def _kept_head(logits: np.ndarray, inv_t: np.float32, top_k: int,
+               top_p: float) -> np.ndarray:
+    """Token ids kept by top-k and top-p, best first (equal logits in no set order, as after a
+    sort). Ranks only the best WINDOW tokens, by a partition, when the head ends inside them;
+    else GROWTH times as many, and so on up to every token top-k allows (a whole 49k row takes
+    a few ms to sort)."""
+    vocab = logits.shape[0]
+    width = top_k if top_p >= 1.0 else min(top_k, WINDOW)
+    exp = _scaled_exp(logits, float(logits.max()), inv_t) if top_p < 1.0 else None
+    total = exp.sum(dtype=np.float64) if exp is not None else 0.0
+    while True:
+        part = (np.argpartition(logits, vocab - width)[vocab - width:] if width < vocab
+                else np.arange(vocab))
+        ids = part[np.argsort(-logits[part])]
+        if exp is None:
+            return ids
+        mass = exp[ids].astype(np.float64) / total
+        before = np.cumsum(mass) - mass  # the row's mass ahead of each token
+        keep = max(1, int(np.searchsorted(before, top_p - TOP_P_SLACK, side="left")))
+        if keep < width or width == top_k:
+            return ids[:keep]
+        width = min(top_k, width * GROWTH)  # the head may go past the window: widen it
+
+
+def _inverse_cdf(weights: np.ndarray, uniform: float) -> int:
+    """The first index whose running sum of weights (>= 0, a positive total) passes uniform
+    times the total: a draw in proportion to the weights. Sums blocks of CDF_BLOCK first, then
+    runs through the one block the target falls in (a whole-row float64 running sum costs a
+    few times more)."""
+    n, start = len(weights), 0
+    if n <= CDF_BLOCK:
+        cdf = np.cumsum(weights, dtype=np.float64)
+        target = uniform * cdf[-1]
+    else:
+        full = n - n % CDF_BLOCK
+        sums = weights[:full].reshape(-1, CDF_BLOCK).sum(axis=1, dtype=np.float64)
+        if full < n:
+            sums = np.append(sums, weights[full:].sum(dtype=np.float64))
+        cum = np.cumsum(sums)
+        target = uniform * cum[-1]
+        b = min(int(np.searchsorted(cum, target, side="right")), len(cum) - 1)
+        start = b * CDF_BLOCK
+        target -= cum[b - 1] if b else 0.0
+        cdf = np.cumsum(weights[start:start + CDF_BLOCK], dtype=np.float64)
+    j = int(np.searchsorted(cdf, target, side="right"))
+    if j >= len(cdf):  # the target rounded up to the block's total: its last weighted token
+        j = int(np.flatnonzero(weights[start:start + len(cdf)])[-1])
+    return start + j
