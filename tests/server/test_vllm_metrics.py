@@ -64,10 +64,12 @@ def scrapes(server: ServerProcess) -> tuple[Metrics, Metrics, str]:
     prompt = list(range(10, 90))
     client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
     client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0)
+    # the last two sample (temperature 0.7, and the API's default 1.0), so EOS is ignored:
+    # every sample ends by length whatever the draws
     client.completions.create(model=model, prompt=prompt[:40], max_tokens=5, n=2,
-                              temperature=0.7)
+                              temperature=0.7, extra_body={"ignore_eos": True})
     for _ in client.completions.create(model=model, prompt=prompt[::-1], max_tokens=4,
-                                       stream=True):
+                                       stream=True, extra_body={"ignore_eos": True}):
         pass
     text = httpx.get(f"{server.url}/metrics", timeout=10.0).text
     return before, Metrics(text), text
