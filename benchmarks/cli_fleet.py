@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from typing import Self
 import httpx
 
 from benchmarks import with_repo_on_path
+from benchmarks.ports import free_port
 
 # `kvserve up` prints "... gateway (POLICY) at URL → W1, W2" once its workers answer.
 _UP_LINE = re.compile(r"gateway \(\S+\) at (\S+) → (.+)$", re.MULTILINE)
@@ -29,12 +29,6 @@ _UP_LINE = re.compile(r"gateway \(\S+\) at (\S+) → (.+)$", re.MULTILINE)
 
 class FleetError(RuntimeError):
     """kvserve did not start: the message has the command and the end of its log."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class CliProcess:

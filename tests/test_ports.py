@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from tests import ports
+from benchmarks import ports
 
 
 def test_a_port_is_handed_out_once_per_process() -> None:

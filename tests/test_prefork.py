@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from benchmarks.ports import free_port
 from kvserve.model import write_random_checkpoint
 from tests.model.arch_configs import base_config
-from tests.ports import free_port
 from tests.prefork import ForkedProcess, launch
 from tests.server.harness import BASE_FLAGS
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 
 from benchmarks.chaos.netfault import FaultProxy
-from benchmarks.chaos.procs import Proc, free_port, kvserve_argv
+from benchmarks.chaos.procs import Proc, kvserve_argv
+from benchmarks.ports import free_port
 
 ADMIN_KEY = "chaos-admin-key-0123456789"
 SALT_SECRET = "chaos-salt-secret-0123456789abcdef"

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,13 +13,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
-
-
-def free_port() -> int:
-    """A loopback port the kernel just handed out (bound to port 0, then released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def kvserve_argv(*args: str) -> list[str]:

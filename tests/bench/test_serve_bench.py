@@ -73,6 +73,24 @@ def test_load_generator_against_kvserve_serve(server, model_dir, capsys):
         assert set(r["itl_ms"]) == {"mean", "p50", "p99"} and "mean" in r["tpot_ms"]
 
 
+def test_a_sampled_run_sends_its_temperature_and_top_p_and_still_gets_every_token(
+        server, model_dir, capsys):
+    code = main(["bench", "serve", server.url, "--model", str(model_dir), "--concurrency", "2",
+                 "--num-prompts", "3", "--input-len", "16", "--output-len", "5",
+                 "--temperature", "0.8", "--top-p", "0.9", "--json"])
+    assert code == 0
+    (row,) = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()]
+    assert (row["temperature"], row["top_p"]) == (0.8, 0.9)
+    assert row["completed"] == 3 and row["output_tokens"] == 3 * 5  # EOS ignored when sampled
+
+
+@pytest.mark.parametrize("flags", [["--top-p", "0"], ["--top-p", "1.5"], ["--temperature", "-1"]])
+def test_bad_sampling_flags_are_refused_before_anything_runs(model_dir, flags, capsys):
+    code = main(["bench", "serve", "http://127.0.0.1:9", "--model", str(model_dir), *flags])
+    assert code == 2
+    assert "--temperature must be at least 0 and --top-p in (0, 1]" in capsys.readouterr().err
+
+
 def test_absent_or_unreachable_servers_are_skipped_not_fatal(model_dir, monkeypatch, capsys):
     monkeypatch.setenv("KVSERVE_VLLM_PYTHON", "/nonexistent/python")
     dead = f"http://127.0.0.1:{free_port()}"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.ports import free_port
+from benchmarks.ports import free_port
 from tests.prefork import launch
 from tests.shared_kernels import cache_with_shared_kernels
 

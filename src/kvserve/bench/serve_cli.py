@@ -59,6 +59,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--num-warmup", type=int, default=2,
                    help="warm-up requests per level (at least the concurrency)")
     p.add_argument("--seed", type=int, default=0, help="seed of the prompt text")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="every request's temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every request's top_p")
     g = p.add_argument_group("launched servers (same values for each)")
     g.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     g.add_argument("--max-model-len", type=int, default=4096)
@@ -72,6 +75,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--json", action="store_true", help="one JSON object per server x concurrency")
     p.set_defaults(func=run)
+
+
+def sampling_label(temperature: float, top_p: float) -> str:
+    if temperature == 0:
+        return "greedy"
+    return f"temperature {temperature:g}" + (f", top_p {top_p:g}" if top_p < 1 else "")
 
 
 def served_model(url: str, explicit: str | None) -> str:
@@ -89,6 +98,7 @@ class Workload:
     def __init__(self, builder: PromptBuilder, args: argparse.Namespace) -> None:
         self.spec = PromptSpec(args.num_prompts, args.input_len, args.prefix_fraction)
         self.output_len = args.output_len
+        self.temperature, self.top_p = args.temperature, args.top_p
         self.timed: dict[int, list[str]] = {}
         self.warmup: dict[int, list[str]] = {}
         for c in args.concurrency:
@@ -98,7 +108,11 @@ class Workload:
 
     def describe(self) -> dict[str, Any]:
         return {"num_prompts": self.spec.num_prompts, "input_len": self.spec.input_len,
-                "output_len": self.output_len, "prefix_len": self.spec.prefix_len}
+                "output_len": self.output_len, "prefix_len": self.spec.prefix_len,
+                "temperature": self.temperature, "top_p": self.top_p}
+
+    def body(self, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+        return completion_body(model, prompt, max_tokens, self.temperature, self.top_p)
 
 
 def measure(run: ServerRun, model: str, workload: Workload, args: argparse.Namespace,
@@ -106,14 +120,14 @@ def measure(run: ServerRun, model: str, workload: Workload, args: argparse.Names
     """Warm up and time every concurrency level against `run.url`, filling `run.levels`."""
     assert run.url is not None
     for c in args.concurrency:
-        warm = [completion_body(model, p, min(args.output_len, WARMUP_MAX_TOKENS))
+        warm = [workload.body(model, p, min(args.output_len, WARMUP_MAX_TOKENS))
                 for p in workload.warmup[c]]
         records, _ = asyncio.run(run_closed_loop(run.url, warm, c, args.request_timeout))
         failed = [r.error for r in records if r.error]
         if len(failed) == len(records):
             raise ServerFailed(f"c={c}: every warm-up request failed ({failed[0]}); the levels "
                                "before it stand")
-        bodies = [completion_body(model, p, args.output_len) for p in workload.timed[c]]
+        bodies = [workload.body(model, p, args.output_len) for p in workload.timed[c]]
         records, seconds = asyncio.run(run_closed_loop(run.url, bodies, c, args.request_timeout))
         level = LevelSummary.from_records(c, records, seconds)
         run.levels.append(level)
@@ -169,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("give the URL of a running server, or --launch kvserve,vllm")
         if min(args.concurrency) < 1 or args.output_len < 1 or args.threads < 1:
             raise ValueError("--concurrency, --output-len and --threads must be at least 1")
+        if args.temperature < 0 or not 0 < args.top_p <= 1:
+            raise ValueError("--temperature must be at least 0 and --top-p in (0, 1]")
         needs_gguf = [t.label for t in launches if t.reads_gguf]
         if needs_gguf and args.gguf is None:
             raise ValueError(f"--launch {','.join(needs_gguf)} reads a GGUF file: pass --gguf "
@@ -202,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
         w = workload.describe()
         print_table(runs, args.concurrency,
                     f"serving: {args.model}, {w['num_prompts']} prompts x {w['input_len']} in "
-                    f"(shared prefix {w['prefix_len']}) / {w['output_len']} out, greedy; "
+                    f"(shared prefix {w['prefix_len']}) / {w['output_len']} out, "
+                    f"{sampling_label(args.temperature, args.top_p)}; "
                     f"launched: {args.threads} threads, "
                     f"{args.kv_cache_memory_bytes / 2**30:g} GiB KV, float32 unless NAME:MODE")
     return 0

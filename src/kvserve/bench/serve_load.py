@@ -1,9 +1,9 @@
 """The closed-loop load generator of `kvserve bench serve` and its statistics.
 
 `concurrency` workers share one queue of prompts; each sends its next streaming
-`POST /v1/completions` (greedy, `ignore_eos`, exactly `max_tokens`) as soon as its previous one
-ends, so at most `concurrency` requests are in flight. What is timed (time.perf_counter, client
-side, so network and SSE parsing are included):
+`POST /v1/completions` (greedy unless asked to sample, `ignore_eos`, exactly `max_tokens`) as
+soon as its previous one ends, so at most `concurrency` requests are in flight. What is timed
+(time.perf_counter, client side, so network and SSE parsing are included):
 
 - request latency: from just before the request is sent until its stream ends;
 - TTFT: from just before the request is sent to the arrival of its first chunk with non-empty text;
@@ -48,10 +48,13 @@ class RequestRecord:
     error: str | None = None
 
 
-def completion_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """Greedy, EOS ignored, exactly `max_tokens`, streamed with a final usage chunk."""
-    return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+def completion_body(model: str, prompt: str, max_tokens: int, temperature: float = 0.0,
+                    top_p: float = 1.0) -> dict[str, Any]:
+    """Greedy unless `temperature` > 0 (then sampled, nucleus `top_p`), EOS ignored, exactly
+    `max_tokens`, streamed with a final usage chunk."""
+    return {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": temperature, "top_p": top_p, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
 
 
 async def send_one(client: httpx.AsyncClient, base_url: str, body: dict[str, Any]) -> RequestRecord:

@@ -1,4 +1,5 @@
-"""Loopback ports for the servers tests start, chosen below the kernel's ephemeral range.
+"""Loopback ports for the servers that tests and harnesses start, chosen below the kernel's
+ephemeral range.
 
 A port bound to 0 and released comes from the ephemeral range (ip_local_port_range), which every
 outgoing connection and every other bind to port 0 draws from too: the gloo sockets of a
@@ -8,9 +9,10 @@ failed with it. Ports below that range are never handed out implicitly, so only 
 choice could take one, and the choice here is random and checked free.
 
 A port checked free is not bound yet: the server that gets it binds seconds later, once its
-process has started. So a port is handed out once per test process, and each pytest-xdist
-worker draws from its own slice of the range: two workers, or two servers of one, never race
-for one port (a TP worker's fixture once lost its port that way)."""
+process has started. So a port is handed out once per process, and each pytest-xdist worker
+(and a harness a test runs, which inherits its worker's name) draws from its own slice of
+the range: two workers, or two servers of one, never race for one port (a TP worker's fixture
+once lost its port that way; the chaos harness's worker once lost its KV-events replay port)."""
 
 from __future__ import annotations
 
