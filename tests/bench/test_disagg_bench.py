@@ -10,11 +10,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.__main__ import main
-from kvserve.model import demo_model_config, write_random_checkpoint
-
-TINY = demo_model_config() | {"hidden_size": 64, "intermediate_size": 128,
-                              "num_hidden_layers": 2, "num_attention_heads": 4,
-                              "num_key_value_heads": 2}
+from kvserve.model import write_random_checkpoint
+from tests.bench.tiny_model import TINY
 
 
 @pytest.fixture(scope="module")

@@ -24,11 +24,8 @@ from benchmarks.answer_checks import (
 from benchmarks.cli_fleet import counter_total
 from benchmarks.real_chats_cli import ideal_cached_tokens
 from benchmarks.real_structured_cli import MODES
-from kvserve.model import demo_model_config, write_random_checkpoint
-
-TINY = demo_model_config() | {"hidden_size": 64, "intermediate_size": 128,
-                              "num_hidden_layers": 2, "num_attention_heads": 4,
-                              "num_key_value_heads": 2}
+from kvserve.model import write_random_checkpoint
+from tests.bench.tiny_model import TINY
 
 
 def test_values_of_a_cut_answer_keys_excluded_the_open_number_last() -> None:

@@ -10,11 +10,8 @@ import pytest
 
 from benchmarks.__main__ import main
 from benchmarks.sampling_cli import ENGINE_MODES, MODES
-from kvserve.model import demo_model_config, write_random_checkpoint
-
-TINY = demo_model_config() | {"hidden_size": 64, "intermediate_size": 128,
-                              "num_hidden_layers": 2, "num_attention_heads": 4,
-                              "num_key_value_heads": 2}
+from kvserve.model import write_random_checkpoint
+from tests.bench.tiny_model import TINY
 
 
 def test_every_mode_is_timed_at_every_row_count_and_in_one_stream(

@@ -14,12 +14,8 @@ from kvserve.bench.serve_load import percentile
 from kvserve.bench.serve_prompts import PromptBuilder, PromptSpec, prompt_lengths
 from kvserve.bench.server_launch import KVSERVE, LaunchedServer, LaunchSpec, free_port
 from kvserve.cli import main
-from kvserve.model import Tokenizer, demo_model_config, write_random_checkpoint
-
-# The demo tokenizer (word-level vocabulary) on a much smaller model.
-TINY = demo_model_config() | {"hidden_size": 64, "intermediate_size": 128,
-                              "num_hidden_layers": 2, "num_attention_heads": 4,
-                              "num_key_value_heads": 2}
+from kvserve.model import Tokenizer, write_random_checkpoint
+from tests.bench.tiny_model import TINY
 
 
 @pytest.fixture(scope="module")

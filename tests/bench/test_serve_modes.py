@@ -15,14 +15,13 @@ from kvserve.bench.serve_load import LevelSummary
 from kvserve.bench.serve_report import ServerRun, json_rows, print_table
 from kvserve.bench.server_launch import LaunchError, LaunchSpec, server_command
 from kvserve.cli import build_parser, main
-from kvserve.model import demo_model_config, write_random_checkpoint
+from kvserve.model import write_random_checkpoint
 from kvserve.server.command import engine_args_from
+from tests.bench.tiny_model import TINY as SMALL
 
 # The demo tokenizer on a much smaller model, its vocabulary padded to a multiple of 16 (what
 # the packed q8_0 lm_head needs).
-TINY = demo_model_config() | {"hidden_size": 64, "intermediate_size": 128,
-                              "num_hidden_layers": 2, "num_attention_heads": 4,
-                              "num_key_value_heads": 2, "vocab_size": 752}
+TINY = SMALL | {"vocab_size": 752}
 
 
 @pytest.mark.parametrize(("entry", "name", "mode", "label"), [
