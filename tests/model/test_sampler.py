@@ -146,7 +146,7 @@ def test_the_kept_head_equals_a_full_sort(vocab, top_k, top_p, scale, widens):
     for seed in range(5):
         logits = torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * scale
         k = top_k if 0 < top_k < vocab else vocab
-        head = _kept_head(logits.numpy(), np.float32(1.0), k, top_p)
+        head = _kept_head(logits.numpy(), float(logits.max()), np.float32(1.0), k, top_p)
         assert set(head.tolist()) == reference_head(logits, k, top_p)
         assert (logits[head].diff() <= 0).all()  # best first
         assert (len(head) > WINDOW) == widens

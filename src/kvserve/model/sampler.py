@@ -136,7 +136,7 @@ def draw(logits: np.ndarray, params: SamplingParams, uniform: float) -> int:
     top_k = params.top_k if 0 < params.top_k < vocab else vocab
     ids = None
     if top_k < vocab or params.top_p < 1.0:
-        ids = _kept_head(logits, inv_t, top_k, params.top_p)  # best first
+        ids = _kept_head(logits, top, inv_t, top_k, params.top_p)  # best first
         weights = np.exp((logits[ids] - logits[ids[0]]) * inv_t)
     else:
         weights = _scaled_exp(logits, top, inv_t)
@@ -153,15 +153,15 @@ def _scaled_exp(logits: np.ndarray, top: float, inv_t: np.float32) -> np.ndarray
     return np.exp(out, out=out)
 
 
-def _kept_head(logits: np.ndarray, inv_t: np.float32, top_k: int,
+def _kept_head(logits: np.ndarray, top: float, inv_t: np.float32, top_k: int,
                top_p: float) -> np.ndarray:
-    """Token ids kept by top-k and top-p, best first (equal logits in no set order, as after a
-    sort). Ranks only the best WINDOW tokens, by a partition, when the head ends inside them;
-    else GROWTH times as many, and so on up to every token top-k allows (a whole 49k row takes
-    a few ms to sort)."""
+    """Token ids kept by top-k and top-p (`top`: the row's largest logit), best first (equal
+    logits in no set order, as after a sort). Ranks only the best WINDOW tokens, by a
+    partition, when the head ends inside them; else GROWTH times as many, and so on up to
+    every token top-k allows (a whole 49k row takes a few ms to sort)."""
     vocab = logits.shape[0]
     width = top_k if top_p >= 1.0 else min(top_k, WINDOW)
-    exp = _scaled_exp(logits, float(logits.max()), inv_t) if top_p < 1.0 else None
+    exp = _scaled_exp(logits, top, inv_t) if top_p < 1.0 else None
     total = exp.sum(dtype=np.float64) if exp is not None else 0.0
     while True:
         part = (np.argpartition(logits, vocab - width)[vocab - width:] if width < vocab
